@@ -1,0 +1,32 @@
+# make demo: set up and run the main example.  make test: set up and run every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
+# smallest test image, patchelf and binutils (strip) for the daemon bundle, file to
+# recognise static binaries.
+DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils file
+
+.PHONY: demo test bench system-packages clean
+
+system-packages:
+	@tools/ensure-debian-packages $(DEBIAN_PACKAGES)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: system-packages $(STAMP)
+	$(BIN)/python examples/daemon_demo.py
+
+test: system-packages $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: system-packages $(STAMP)
+	$(BIN)/python bench/noop.py
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,1845 @@
+#!/usr/bin/env python3
+"""sandmand: the daemon that runs inside a sandbox.
+
+One file, standard library only, Python 3.8 or newer. It is mounted read-only into an
+unmodified task image (at ``/.sandman``) and keeps files, shell sessions and background
+processes alive across calls. The wire protocol is documented in ``docs/protocol.md``
+beside this file: 4-byte big-endian length + one msgpack map per frame.
+
+Usage::
+
+    sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT
+                [--token-file FILE]     (else the SANDMAN_TOKEN environment variable)
+                [--workdir DIR] [--ready-fd N] [--max-output BYTES]
+
+The client side (``sandman_ray.client``) imports this module for its frame constants
+and its codec, so both ends share one definition of the wire format.
+"""
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+
+try:  # the C extension when the image (or the client) has it; the bundle does not
+    import msgpack as _msgpack
+except ImportError:  # pragma: no cover - exercised by the bundle tests
+    _msgpack = None
+
+try:
+    from _operator import _compare_digest as _tokens_equal
+except ImportError:  # pragma: no cover - every CPython has it
+    from hmac import compare_digest as _tokens_equal
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 * 1024 * 1024          # contract: a larger length closes the connection
+MAX_STREAM_CAP = 16 * 1024 * 1024     # output cap per stream (two streams fit one frame)
+DEFAULT_OUTPUT_CAP = 4 * 1024 * 1024
+MAX_READ = 32 * 1024 * 1024           # file_read answers at most this many bytes per call
+MAX_IN_FLIGHT = 1024                  # requests in flight per connection
+MAX_DEPTH = 64                        # nesting limit of decoded msgpack values
+HELLO_TIMEOUT_S = 10.0                # a connection that does not say hello is closed
+DEFAULT_KILL_GRACE_S = 2.0            # TERM, then KILL after this long
+PROC_RING_BYTES = 1024 * 1024         # per-stream ring buffer of a background process
+MAX_FINISHED_PROCS = 256              # exited background processes remembered
+CHUNK = 1024 * 1024                   # tar stream chunk size
+_HEADER = struct.Struct(">I")
+# stdlib modules imported on first use; the bundle builder packs these too
+LAZY_IMPORTS = ("resource", "subprocess", "shutil", "tarfile", "io")
+
+
+# --------------------------------------------------------------------------- codec
+class CodecError(ValueError):
+    """A value cannot be encoded, or bytes are not one valid msgpack value."""
+
+
+def _pack_into(out, obj, depth):
+    if depth > MAX_DEPTH:
+        raise CodecError("value nested deeper than %d" % MAX_DEPTH)
+    if obj is None:
+        out += b"\xc0"
+    elif obj is True:
+        out += b"\xc3"
+    elif obj is False:
+        out += b"\xc2"
+    elif isinstance(obj, int):
+        if 0 <= obj < 0x80:
+            out.append(obj)
+        elif -32 <= obj < 0:
+            out.append(obj & 0xFF)
+        elif obj >= 0:
+            if obj <= 0xFF:
+                out += struct.pack(">BB", 0xCC, obj)
+            elif obj <= 0xFFFF:
+                out += struct.pack(">BH", 0xCD, obj)
+            elif obj <= 0xFFFFFFFF:
+                out += struct.pack(">BI", 0xCE, obj)
+            elif obj <= 0xFFFFFFFFFFFFFFFF:
+                out += struct.pack(">BQ", 0xCF, obj)
+            else:
+                raise CodecError("integer too large for msgpack: %d" % obj)
+        elif obj >= -0x80:
+            out += struct.pack(">Bb", 0xD0, obj)
+        elif obj >= -0x8000:
+            out += struct.pack(">Bh", 0xD1, obj)
+        elif obj >= -0x80000000:
+            out += struct.pack(">Bi", 0xD2, obj)
+        elif obj >= -0x8000000000000000:
+            out += struct.pack(">Bq", 0xD3, obj)
+        else:
+            raise CodecError("integer too small for msgpack: %d" % obj)
+    elif isinstance(obj, float):
+        out += struct.pack(">Bd", 0xCB, obj)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        n = len(data)
+        if n < 32:
+            out.append(0xA0 | n)
+        elif n <= 0xFF:
+            out += struct.pack(">BB", 0xD9, n)
+        elif n <= 0xFFFF:
+            out += struct.pack(">BH", 0xDA, n)
+        else:
+            out += struct.pack(">BI", 0xDB, n)
+        out += data
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        n = len(obj)
+        if n <= 0xFF:
+            out += struct.pack(">BB", 0xC4, n)
+        elif n <= 0xFFFF:
+            out += struct.pack(">BH", 0xC5, n)
+        else:
+            out += struct.pack(">BI", 0xC6, n)
+        out += obj
+    elif isinstance(obj, (list, tuple)):
+        n = len(obj)
+        if n < 16:
+            out.append(0x90 | n)
+        elif n <= 0xFFFF:
+            out += struct.pack(">BH", 0xDC, n)
+        else:
+            out += struct.pack(">BI", 0xDD, n)
+        for item in obj:
+            _pack_into(out, item, depth + 1)
+    elif isinstance(obj, dict):
+        n = len(obj)
+        if n < 16:
+            out.append(0x80 | n)
+        elif n <= 0xFFFF:
+            out += struct.pack(">BH", 0xDE, n)
+        else:
+            out += struct.pack(">BI", 0xDF, n)
+        for key, value in obj.items():
+            _pack_into(out, key, depth + 1)
+            _pack_into(out, value, depth + 1)
+    else:
+        raise CodecError("cannot encode %s" % type(obj).__name__)
+
+
+def pack_native(obj):
+    """Encode like ``msgpack.packb(obj, use_bin_type=True)``, byte for byte."""
+    out = bytearray()
+    _pack_into(out, obj, 0)
+    return bytes(out)
+
+
+# (struct format, payload size) of fixed-width scalars by type byte
+_SCALARS = {
+    0xCA: (">f", 4), 0xCB: (">d", 8),
+    0xCC: (">B", 1), 0xCD: (">H", 2), 0xCE: (">I", 4), 0xCF: (">Q", 8),
+    0xD0: (">b", 1), 0xD1: (">h", 2), 0xD2: (">i", 4), 0xD3: (">q", 8),
+}
+# (kind, length format, length size) of sized values by type byte
+_SIZED = {
+    0xC4: ("bin", ">B", 1), 0xC5: ("bin", ">H", 2), 0xC6: ("bin", ">I", 4),
+    0xD9: ("str", ">B", 1), 0xDA: ("str", ">H", 2), 0xDB: ("str", ">I", 4),
+    0xDC: ("array", ">H", 2), 0xDD: ("array", ">I", 4),
+    0xDE: ("map", ">H", 2), 0xDF: ("map", ">I", 4),
+}
+
+
+class _Reader:
+    """Decodes one msgpack value from untrusted bytes: every length and count is checked
+    against the bytes that remain before anything is allocated."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data):
+        self.data = data
+        self.pos = 0
+
+    def take(self, n):
+        end = self.pos + n
+        if end > len(self.data):
+            raise CodecError("truncated value: need %d bytes at offset %d, have %d"
+                             % (n, self.pos, len(self.data) - self.pos))
+        chunk = self.data[self.pos:end]
+        self.pos = end
+        return chunk
+
+    def value(self, depth):
+        if depth > MAX_DEPTH:
+            raise CodecError("value nested deeper than %d" % MAX_DEPTH)
+        b = self.take(1)[0]
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0xA0 <= b <= 0xBF:
+            return self.text(b & 0x1F)
+        if 0x90 <= b <= 0x9F:
+            return self.array(b & 0x0F, depth)
+        if 0x80 <= b <= 0x8F:
+            return self.map(b & 0x0F, depth)
+        if b == 0xC0:
+            return None
+        if b == 0xC2:
+            return False
+        if b == 0xC3:
+            return True
+        scalar = _SCALARS.get(b)
+        if scalar is not None:
+            return struct.unpack(scalar[0], self.take(scalar[1]))[0]
+        sized = _SIZED.get(b)
+        if sized is None:
+            raise CodecError("unsupported msgpack type byte 0x%02x" % b)
+        kind, fmt, size = sized
+        n = struct.unpack(fmt, self.take(size))[0]
+        if kind == "bin":
+            return bytes(self.take(n))
+        if kind == "str":
+            return self.text(n)
+        if kind == "array":
+            return self.array(n, depth)
+        return self.map(n, depth)
+
+    def text(self, n):
+        try:
+            return bytes(self.take(n)).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CodecError("invalid utf-8 in str: %s" % exc)
+
+    def _check_count(self, n, min_bytes_each):
+        if n * min_bytes_each > len(self.data) - self.pos:
+            raise CodecError("count %d exceeds the %d bytes left"
+                             % (n, len(self.data) - self.pos))
+
+    def array(self, n, depth):
+        self._check_count(n, 1)
+        return [self.value(depth + 1) for _ in range(n)]
+
+    def map(self, n, depth):
+        self._check_count(n, 2)
+        out = {}
+        for _ in range(n):
+            key = self.value(depth + 1)
+            if not isinstance(key, (str, bytes)):
+                raise CodecError("map key must be str or bytes, got %s" % type(key).__name__)
+            out[key] = self.value(depth + 1)
+        return out
+
+
+def unpack_native(data):
+    """Decode exactly one msgpack value (``msgpack.unpackb`` semantics, no ext types)."""
+    reader = _Reader(memoryview(data))
+    value = reader.value(0)
+    if reader.pos != len(data):
+        raise CodecError("%d bytes of extra data after the value" % (len(data) - reader.pos))
+    return value
+
+
+if _msgpack is not None:
+    def pack(obj):
+        try:
+            return _msgpack.packb(obj, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise CodecError(str(exc))
+
+    def unpack(data):
+        try:
+            return _msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise CodecError("%s: %s" % (type(exc).__name__, exc))
+else:
+    pack = pack_native
+    unpack = unpack_native
+
+
+def encode_frame(msg):
+    body = pack(msg)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies; refuses a length over ``max_frame``."""
+
+    def __init__(self, max_frame=MAX_FRAME):
+        self.max_frame = max_frame
+        self.buf = bytearray()
+
+    def feed(self, data):
+        """Add bytes; return the list of complete frame bodies. Raises CodecError when a
+        header announces more than ``max_frame`` bytes (the stream cannot be trusted)."""
+        if not self.buf and len(data) >= 4:
+            (n,) = _HEADER.unpack_from(data)
+            if n == len(data) - 4 and n <= self.max_frame:
+                return [data[4:]]  # exactly one whole frame: the usual case, no copying
+        self.buf += data
+        frames = []
+        while len(self.buf) >= 4:
+            (n,) = _HEADER.unpack_from(self.buf)
+            if n > self.max_frame:
+                raise CodecError("frame of %d bytes exceeds the limit of %d" % (n, self.max_frame))
+            if len(self.buf) < 4 + n:
+                break
+            frames.append(bytes(self.buf[4:4 + n]))
+            del self.buf[:4 + n]
+        return frames
+
+
+# --------------------------------------------------------------------------- errors
+class RequestError(Exception):
+    """An error answered to the client: ``{"type": kind, "message": str(self)}``."""
+
+    def __init__(self, kind, message):
+        Exception.__init__(self, message)
+        self.kind = kind
+
+
+def bad_request(message):
+    return RequestError("BadRequest", message)
+
+
+def _error_body(exc):
+    if isinstance(exc, RequestError):
+        return {"type": exc.kind, "message": str(exc)}
+    if isinstance(exc, OSError):
+        body = {"type": type(exc).__name__, "message": str(exc)}
+        if exc.errno:
+            body["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
+        return body
+    return {"type": "InternalError", "message": "%s: %s" % (type(exc).__name__, exc)}
+
+
+_MISSING = object()
+
+
+def field(req, name, types, default=_MISSING):
+    """Read ``req[name]``, checking its type; never trust the wire."""
+    value = req.get(name, _MISSING)
+    if value is _MISSING or (value is None and default is not _MISSING):
+        if default is _MISSING:
+            raise bad_request("field %r is required" % name)
+        return default
+    if isinstance(value, bool) and bool not in types:
+        raise bad_request("field %r must be %s, got bool" % (name, _type_names(types)))
+    if not isinstance(value, types):
+        raise bad_request("field %r must be %s, got %s"
+                          % (name, _type_names(types), type(value).__name__))
+    return value
+
+
+def _type_names(types):
+    return " or ".join(t.__name__ for t in types)
+
+
+def number_field(req, name, default, low=0.0, high=None):
+    value = field(req, name, (int, float), default)
+    if value is None:
+        return None
+    if value < low or (high is not None and value > high):
+        raise bad_request("field %r must be in [%s, %s], got %s" % (name, low, high, value))
+    return float(value)
+
+
+def path_field(req, name="path"):
+    path = field(req, name, (str,))
+    if not path or "\0" in path:
+        raise bad_request("field %r must be a non-empty path without NUL bytes" % name)
+    return path
+
+
+def env_field(req, base):
+    """The sandbox environment with the request's ``env`` merged over it (None unsets)."""
+    extra = field(req, "env", (dict,), None)
+    if not extra:
+        return base
+    env = dict(base)
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise bad_request("env name %r is not a valid variable name" % (key,))
+        if value is None:
+            env.pop(key, None)
+        elif isinstance(value, str) and "\0" not in value:
+            env[key] = value
+        else:
+            raise bad_request("env value of %r must be a string without NUL bytes" % key)
+    return env
+
+
+# --------------------------------------------------------------------------- processes
+def _exit_code(status):
+    """(exit code shell-style, signal number or None) from a waitpid status."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    return os.WEXITSTATUS(status), None
+
+
+def descendants(pid):
+    """Pids of every process below ``pid``, from /proc (children of children too)."""
+    children = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: parse after the last ')'
+        fields = raw[raw.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(pid, sig, alive=True):
+    """Send ``sig`` to ``pid``'s process group and, while ``pid`` itself is alive (not
+    yet reaped), to it and every descendant (some may have left the group with setsid).
+    Returns the descendants signalled; missing processes are ignored."""
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass
+    if not alive:
+        return []
+    targets = descendants(pid)
+    for target in [pid] + targets:
+        try:
+            os.kill(target, sig)
+        except OSError:
+            pass
+    return targets
+
+
+def which(name, env):
+    """Resolve a command name on the PATH of ``env`` (None when not found)."""
+    if "/" in name:
+        return name if os.access(name, os.X_OK) else None
+    for directory in env.get("PATH", DEFAULT_PATH).split(":"):
+        candidate = os.path.join(directory or ".", name)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Characters that mean nothing special to a POSIX shell: a command made only of these
+# (and spaces) is a plain argv, so it can be started without a shell in between. The
+# words below are shell builtins or reserved words whose effect could differ from a
+# binary of the same name, so they always go through the shell.
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./,:@%+ ")
+_SHELL_WORDS = frozenset(
+    "alias bg break cd command continue echo eval exec exit export false fc fg getopts hash "
+    "jobs kill let local printf pwd read readonly return set shift source test times trap "
+    "type ulimit umask unalias unset wait . time function select if then else elif fi case "
+    "esac for while until do done in".split())
+
+
+def plain_argv(cmd):
+    """The argv of a shell string that needs no shell (``true``, ``ls -la /tmp``), or
+    None. Starting it directly saves the shell's own start (~0.1 ms of a ~0.6 ms spawn,
+    measured here); a name that is not found still goes through the shell, which reports
+    it with its usual message and exit code 127."""
+    if not cmd or len(cmd) > 4096 or not _PLAIN.issuperset(cmd):
+        return None
+    argv = cmd.split()
+    if not argv or argv[0] in _SHELL_WORDS:
+        return None
+    return argv
+
+
+class FdWatcher:
+    """Readiness of child pipes and pidfds, on an epoll of our own that the event loop
+    watches as one fd. Registering a fd is then one epoll_ctl, not an asyncio reader
+    (a handle, a selector key, a context): on a command that lives 0.6 ms, asyncio's
+    six reader calls per exec cost as much as everything else the daemon does."""
+
+    def __init__(self, loop):
+        import select
+        self.epoll = select.epoll()
+        self.flags = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+        self.callbacks = {}
+        loop.add_reader(self.epoll.fileno(), self._ready)
+
+    def add(self, fd, callback):
+        self.epoll.register(fd, self.flags)
+        self.callbacks[fd] = callback
+
+    def remove(self, fd):
+        if self.callbacks.pop(fd, None) is not None:
+            self.epoll.unregister(fd)
+
+    def _ready(self):
+        for fd, _ in self.epoll.poll(0):
+            callback = self.callbacks.get(fd)
+            if callback is not None:
+                callback()
+
+
+class Children:
+    """Knows when each child we started exits. A pidfd per child (Linux 5.3+, Python
+    3.9+) reports the exit in the same loop iteration; SIGCHLD with waitpid(-1) reaps
+    everything else (orphans when we are PID 1) and is the fallback without pidfds.
+    ``watch(pid, callback)``: the callback gets the wait status synchronously, before the
+    future resolves, so a reply can be sent without another loop iteration."""
+
+    def __init__(self, loop, watcher):
+        self.loop = loop
+        self.watcher = watcher
+        self.waiting = {}   # pid -> future of its wait status
+        self.callbacks = {}
+        self.pidfds = {}
+
+    def watch(self, pid, callback=None):
+        fut = self.loop.create_future()
+        self.waiting[pid] = fut
+        if callback is not None:
+            self.callbacks[pid] = callback
+        if _HAS_PIDFD:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                return fut
+            self.pidfds[pid] = fd
+            self.watcher.add(fd, lambda: self._pidfd_ready(pid))
+        return fut
+
+    def _pidfd_ready(self, pid):
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # reaped by reap(); resolved there
+        if got == pid:
+            self._resolve(pid, status)
+
+    def reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            if pid == 0:
+                return
+            self._resolve(pid, status)
+
+    def _resolve(self, pid, status):
+        fd = self.pidfds.pop(pid, None)
+        if fd is not None:
+            self.watcher.remove(fd)
+            os.close(fd)
+        fut = self.waiting.pop(pid, None)
+        callback = self.callbacks.pop(pid, None)
+        if callback is not None:
+            callback(status)
+        if fut is not None and not fut.done():
+            fut.set_result(status)
+
+
+_HAS_PIDFD = hasattr(os, "pidfd_open")
+
+
+def spawn(argv, env, cwd, stdin_fd, stdout_fd, stderr_fd, daemon):
+    """Start ``argv`` in a new session (its own process group) with the given fds as
+    0, 1, 2. posix_spawn when the cwd is the daemon's own, else fork/exec via Popen.
+    The command name is looked up on the PATH of ``env``."""
+    if cwd is None or cwd == daemon.workdir:
+        actions = [(os.POSIX_SPAWN_DUP2, stdin_fd, 0),
+                   (os.POSIX_SPAWN_DUP2, stdout_fd, 1),
+                   (os.POSIX_SPAWN_DUP2, stderr_fd, 2)]
+        if "/" in argv[0]:
+            start, path = os.posix_spawn, argv[0]
+        elif env.get("PATH") == daemon.path:
+            # glibc searches the daemon's own PATH, which is the sandbox's: same answer
+            # as which(), without a stat per directory in Python
+            start, path = os.posix_spawnp, argv[0]
+        else:
+            start, path = os.posix_spawn, which(argv[0], env)
+            if path is None:
+                raise FileNotFoundError(errno.ENOENT, "command not found", argv[0])
+        # Python ignores SIGPIPE and SIGXFSZ; exec keeps ignored signals ignored, so
+        # restore the defaults (``yes | head`` must end by SIGPIPE as it does elsewhere)
+        return start(path, argv, env, file_actions=actions, setsid=True,
+                     setsigdef=_RESTORED_SIGNALS)
+    import subprocess
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin_fd, stdout=stdout_fd,
+                            stderr=stderr_fd, start_new_session=True, close_fds=True)
+    proc.returncode = 0  # Children reaps it; keep Popen from ever waiting on a reused pid
+    return proc.pid
+
+
+_RESTORED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, n))
+
+
+def cloexec_pipe():
+    return os.pipe2(os.O_CLOEXEC)
+
+
+class Capture:
+    """Bytes of one output stream, kept up to ``cap``; the rest is counted and dropped.
+    With ``emit`` the kept bytes are handed on as they come instead of stored."""
+
+    __slots__ = ("cap", "data", "total", "kept", "emit")
+
+    def __init__(self, cap, emit=None):
+        self.cap = cap
+        self.data = bytearray()
+        self.total = 0
+        self.kept = 0
+        self.emit = emit
+
+    def add(self, chunk):
+        self.total += len(chunk)
+        room = self.cap - self.kept
+        if room > 0:
+            piece = chunk[:room]
+            self.kept += len(piece)
+            if self.emit is None:
+                self.data += piece
+            else:
+                self.emit(piece)
+
+    @property
+    def truncated(self):
+        return self.total > self.kept
+
+
+class Ring:
+    """The last ``cap`` bytes of a stream, addressed by absolute byte offsets."""
+
+    __slots__ = ("cap", "data", "start", "eof")
+
+    def __init__(self, cap):
+        self.cap = cap
+        self.data = bytearray()
+        self.start = 0
+        self.eof = False
+
+    def add(self, chunk):
+        self.data += chunk
+        excess = len(self.data) - self.cap
+        if excess > 0:
+            del self.data[:excess]
+            self.start += excess
+
+    def read(self, cursor, max_bytes):
+        dropped = max(0, self.start - cursor)
+        cursor = max(cursor, self.start)
+        offset = cursor - self.start
+        chunk = bytes(self.data[offset:offset + max_bytes])
+        return {"data": chunk, "cursor": cursor + len(chunk), "dropped": dropped,
+                "eof": self.eof and offset + len(chunk) >= len(self.data)}
+
+
+class PipeReader:
+    """Reads a non-blocking pipe and hands each chunk to ``sink``."""
+
+    __slots__ = ("watcher", "fd", "sink", "closed")
+
+    def __init__(self, watcher, fd, sink):
+        self.watcher, self.fd, self.sink = watcher, fd, sink
+        self.closed = False
+        os.set_blocking(fd, False)
+        watcher.add(fd, self._ready)
+
+    def _ready(self):
+        try:
+            chunk = os.read(self.fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.sink(chunk)
+        else:
+            self.close()
+
+    def drain(self, max_reads=256):
+        """Read what is already in the pipe (the writer has exited) without waiting."""
+        for _ in range(max_reads):
+            if self.closed:
+                return
+            try:
+                chunk = os.read(self.fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.close()
+                return
+            self.sink(chunk)
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.watcher.remove(self.fd)
+            os.close(self.fd)
+
+
+async def write_all(loop, fd, data):
+    """Write ``data`` to a pipe without blocking the loop, then close it. A reader that
+    exits early (EPIPE) just ends the write."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view)
+                view = view[n:]
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_writer(fd, ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(fd)
+    except (BrokenPipeError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- daemon
+class Daemon:
+    def __init__(self, token, workdir, default_cap):
+        self.token = token
+        self.workdir = workdir
+        self.default_cap = default_cap
+        self.started = time.time()
+        self.env = base_environment()
+        self.path = self.env["PATH"]
+        os.environ["PATH"] = self.path  # what posix_spawnp searches
+        self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.loop = None
+        self.children = None
+        self.sessions = {}
+        self.procs = {}
+        self.uploads = {}
+        self.next_upload = 1
+        self.server = None
+        self.socket_path = None
+        self.stopping = None
+        self.connections = set()
+
+    # ---- lifecycle
+    async def serve(self, listen, ready_fd):
+        self.loop = asyncio.get_running_loop()
+        self.stopping = self.loop.create_future()
+        self.watcher = FdWatcher(self.loop)
+        self.children = Children(self.loop, self.watcher)
+        if os.getpid() == 1 or not _HAS_PIDFD:
+            # As PID 1 we must reap orphans; without pidfds SIGCHLD is how we learn of
+            # exits. Otherwise each child's pidfd suffices, and skipping SIGCHLD saves
+            # two loop wake-ups per command.
+            self.loop.add_signal_handler(signal.SIGCHLD, self.children.reap)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.request_stop, 0.5)
+        self.children.reap()  # anything that exited before the handler was installed
+        address = await self._listen(listen)
+        if ready_fd is not None:
+            os.write(ready_fd, (address + "\n").encode())
+            os.close(ready_fd)
+        await self.stopping
+        await self._stop_everything()
+
+    async def _listen(self, listen):
+        kind, _, where = listen.partition(":")
+        factory = lambda: Connection(self)  # noqa: E731
+        if kind == "unix":
+            try:
+                os.unlink(where)
+            except FileNotFoundError:
+                pass
+            old = os.umask(0o077)  # the socket is born 0600: only its owner may connect
+            try:
+                self.server = await self.loop.create_unix_server(factory, where)
+            finally:
+                os.umask(old)
+            os.chmod(where, 0o600)
+            self.socket_path = where
+            return "unix:" + where
+        if kind == "tcp":
+            host, _, port = where.rpartition(":")
+            self.server = await self.loop.create_server(factory, host or "127.0.0.1", int(port))
+            sockname = self.server.sockets[0].getsockname()
+            return "tcp:%s:%d" % (sockname[0], sockname[1])
+        raise SystemExit("sandmand: --listen must be unix:PATH or tcp:HOST:PORT, got %r" % listen)
+
+    def request_stop(self, grace_s):
+        if not self.stopping.done():
+            self.stopping.set_result(grace_s)
+
+    async def _stop_everything(self):
+        grace = self.stopping.result()
+        self.server.close()
+        for conn in list(self.connections):
+            conn.transport.close()
+        pids = [s.pid for s in self.sessions.values() if s.alive]
+        pids += [p.pid for p in self.procs.values() if p.running]
+        pids += list(self.children.waiting)
+        pid1 = os.getpid() == 1
+        if pid1:  # forward TERM to everything else that lives in the sandbox
+            _kill_all(signal.SIGTERM)
+        await self.terminate(pids, grace)
+        if pid1:
+            _kill_all(signal.SIGKILL)
+        if self.socket_path is not None:
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+
+    async def terminate(self, pids, grace_s):
+        """TERM the process groups and descendants of ``pids``; KILL what is left after
+        the grace. A pid already reaped is only addressed as a process group (which
+        keeps its id reserved while any member lives), never as a single pid."""
+        waiting = self.children.waiting
+        trees = {pid: signal_tree(pid, signal.SIGTERM, alive=pid in waiting) for pid in pids}
+        pending = [waiting[p] for p in pids if p in waiting]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        for pid, tree in trees.items():
+            for target in tree:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+            signal_tree(pid, signal.SIGKILL, alive=pid in waiting)
+
+    # ---- ops that answer at once
+    def op_ping(self, req):
+        return None
+
+    def op_info(self, req):
+        return {
+            "pid": os.getpid(), "pid1": os.getpid() == 1,
+            "uptime_s": time.time() - self.started,
+            "python": sys.version.split()[0],
+            "os_release": read_os_release(),
+            "hostname": socket.gethostname(),
+            "uid": os.getuid(), "gid": os.getgid(),
+            "workdir": self.workdir,
+            "cpu_count": os.cpu_count(),
+            "limits": read_limits(),
+            "sessions": sorted(self.sessions),
+            "processes": sum(1 for p in self.procs.values() if p.running),
+            "protocol": PROTOCOL_VERSION,
+        }
+
+    # ---- exec
+    def op_exec(self, req, reply):
+        """Callback-driven (no task): the reply is sent from the exit notification, so a
+        short command costs two loop iterations beyond its own run time."""
+        cmd = field(req, "cmd", (str, list))
+        if len(req) == 3:  # op, id, cmd: every option at its default (the common case)
+            timeout = cwd = None
+            env, stdin, cap, grace, stream = self.env, b"", self.default_cap, DEFAULT_KILL_GRACE_S, False
+        else:
+            timeout = number_field(req, "timeout", None)
+            cwd = field(req, "cwd", (str,), None)
+            env = env_field(req, self.env)
+            stdin = field(req, "stdin", (bytes, str), b"")
+            cap = int(number_field(req, "max_output", self.default_cap, 0, MAX_STREAM_CAP))
+            grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
+            stream = field(req, "stream", (bool,), False)
+        if stream:
+            out = Capture(cap, lambda chunk: reply.event("stdout", chunk))
+            err = Capture(cap, lambda chunk: reply.event("stderr", chunk))
+        else:
+            out, err = Capture(cap), Capture(cap)
+        run = ExecRun(self, reply, out, err, grace)
+        run.pid, run.readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
+                                                            out.add, err.add, run.exited)
+        if stdin:
+            self.loop.create_task(write_all(self.loop, stdin_w, _as_bytes(stdin)))
+        if timeout is not None:
+            run.timer = self.loop.call_later(timeout, run.time_out)
+        reply.on_cancel = run.cancel
+
+    def _start_command(self, cmd, env, cwd, with_stdin, out_sink, err_sink, on_exit=None):
+        """Start a command given as a shell string or an argv list: a plain string runs
+        without a shell when its program exists."""
+        if isinstance(cmd, str):
+            argv = plain_argv(cmd)
+            if argv is not None:
+                try:
+                    return self._start(argv, env, cwd, with_stdin, out_sink, err_sink, on_exit)
+                except FileNotFoundError:
+                    pass
+            return self._start(["/bin/sh", "-c", cmd], env, cwd, with_stdin, out_sink,
+                               err_sink, on_exit)
+        if not cmd or not all(isinstance(a, str) and a and "\0" not in a for a in cmd):
+            raise bad_request("field 'cmd' as a list must be non-empty strings without NUL")
+        try:
+            return self._start(list(cmd), env, cwd, with_stdin, out_sink, err_sink, on_exit)
+        except FileNotFoundError as exc:
+            if cwd is not None and not os.path.isdir(cwd):
+                raise
+            raise RequestError("FileNotFoundError", "command not found: %r (%s)" % (cmd[0], exc))
+
+    def _start(self, argv, env, cwd, with_stdin, out_sink, err_sink, on_exit=None):
+        """Spawn with pipes for stdout/stderr (and stdin when asked). Returns the pid,
+        the pipe readers and the stdin write end (or None); ``on_exit(status)`` is called
+        when it exits (``self.children.waiting[pid]`` resolves then too)."""
+        out_r, out_w = cloexec_pipe()
+        err_r, err_w = cloexec_pipe()
+        in_r, in_w = cloexec_pipe() if with_stdin else (self.devnull, None)
+        try:
+            pid = spawn(argv, env, cwd, in_r, out_w, err_w, self)
+        except BaseException:
+            for fd in (out_r, err_r, in_w):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (out_w, err_w, in_r):
+                if fd != self.devnull:
+                    os.close(fd)
+        self.children.watch(pid, on_exit)
+        readers = [PipeReader(self.watcher, out_r, out_sink),
+                   PipeReader(self.watcher, err_r, err_sink)]
+        return pid, readers, in_w
+
+    # ---- sessions
+    async def op_session_open(self, req):
+        name = field(req, "session", (str,), "default")
+        if name in self.sessions and self.sessions[name].alive:
+            raise RequestError("SessionExists", "session %r is already open" % name)
+        env = env_field(req, self.env)
+        shell = field(req, "shell", (str,), None) or which("bash", env) or "/bin/sh"
+        cwd = field(req, "cwd", (str,), None)
+        session = Session(self, name, shell, env, cwd)
+        self.sessions[name] = session
+        return {"session": name, "shell": shell, "pid": session.pid}
+
+    async def op_session_run(self, req):
+        name = field(req, "session", (str,), "default")
+        cmd = field(req, "cmd", (str,))
+        timeout = number_field(req, "timeout", None)
+        cap = int(number_field(req, "max_output", self.default_cap, 0, MAX_STREAM_CAP))
+        grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
+        session = self.sessions.get(name)
+        if session is None:
+            if name != "default":
+                raise RequestError("SessionNotFound", "no session named %r" % name)
+            session = self.sessions[name] = Session(self, name, which("bash", self.env)
+                                                    or "/bin/sh", self.env, None)
+        if not session.alive:
+            raise RequestError("SessionClosed", "session %r has exited (code %s)"
+                               % (name, session.exit_code))
+        return await session.run(cmd, timeout, cap, grace)
+
+    async def op_session_close(self, req):
+        name = field(req, "session", (str,), "default")
+        session = self.sessions.pop(name, None)
+        if session is None:
+            raise RequestError("SessionNotFound", "no session named %r" % name)
+        await session.close(number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60))
+        return {"session": name, "exit_code": session.exit_code}
+
+    def op_session_list(self, req):
+        return [{"session": s.name, "pid": s.pid, "shell": s.shell, "alive": s.alive}
+                for s in self.sessions.values()]
+
+    # ---- background processes
+    def op_spawn(self, req):
+        cmd = field(req, "cmd", (str, list))
+        env = env_field(req, self.env)
+        cwd = field(req, "cwd", (str,), None)
+        stdin = field(req, "stdin", (bytes, str), b"")
+        ring = int(number_field(req, "buffer_bytes", PROC_RING_BYTES, 1, MAX_STREAM_CAP))
+        if sum(1 for p in self.procs.values() if p.running) >= 4096:
+            raise RequestError("LimitExceeded", "4096 background processes are running")
+        proc = Process(cmd, ring)
+        proc.pid, readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
+                                                         proc.out.add, proc.err.add)
+        if stdin:
+            self.loop.create_task(write_all(self.loop, stdin_w, _as_bytes(stdin)))
+        self.procs[proc.pid] = proc
+        self.loop.create_task(self._follow(proc, self.children.waiting[proc.pid], readers))
+        return {"pid": proc.pid}
+
+    async def _follow(self, proc, exited, readers):
+        status = await exited
+        for reader in readers:
+            reader.drain()
+            reader.close()
+        proc.exit_code, proc.signal = _exit_code(status)
+        proc.ended = time.time()
+        proc.out.eof = proc.err.eof = True
+        proc.done.set()
+        finished = [p for p in self.procs.values() if not p.running]
+        for old in sorted(finished, key=lambda p: p.ended)[:-MAX_FINISHED_PROCS]:
+            del self.procs[old.pid]
+
+    def _proc(self, req):
+        pid = field(req, "pid", (int,))
+        proc = self.procs.get(pid)
+        if proc is None:
+            raise RequestError("ProcessNotFound", "no background process with pid %d" % pid)
+        return proc
+
+    def op_proc_status(self, req):
+        return self._proc(req).status()
+
+    def op_proc_list(self, req):
+        return [p.status() for p in self.procs.values()]
+
+    def op_proc_output(self, req):
+        proc = self._proc(req)
+        name = field(req, "stream", (str,), "stdout")
+        if name not in ("stdout", "stderr"):
+            raise bad_request("field 'stream' must be 'stdout' or 'stderr'")
+        cursor = field(req, "cursor", (int,), 0)
+        max_bytes = int(number_field(req, "max_bytes", MAX_STREAM_CAP, 0, MAX_STREAM_CAP))
+        return (proc.out if name == "stdout" else proc.err).read(max(0, cursor), max_bytes)
+
+    async def op_proc_wait(self, req):
+        proc = self._proc(req)
+        timeout = number_field(req, "timeout", None)
+        try:
+            await asyncio.wait_for(proc.done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        status = proc.status()
+        status["timed_out"] = proc.running
+        return status
+
+    def op_proc_signal(self, req):
+        proc = self._proc(req)
+        sig = signal_number(req.get("signal", "TERM"))
+        if proc.running:
+            if field(req, "group", (bool,), True):
+                signal_tree(proc.pid, sig, alive=True)
+            else:
+                os.kill(proc.pid, sig)
+        return proc.status()
+
+    # ---- files
+    def op_file_read(self, req):
+        path = path_field(req)
+        offset = field(req, "offset", (int,), 0)
+        length = field(req, "length", (int,), MAX_READ)
+        if offset < 0 or length < 0:
+            raise bad_request("offset and length must not be negative")
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(offset)
+            data = fh.read(min(length, MAX_READ))
+        return {"data": data, "size": size, "eof": offset + len(data) >= size}
+
+    def op_file_write(self, req):
+        path = path_field(req)
+        data = _as_bytes(field(req, "data", (bytes, str)))
+        mode = field(req, "mode", (int,), 0o644) & 0o7777
+        append = field(req, "append", (bool,), False)
+        parent = os.path.dirname(os.path.abspath(path))
+        if field(req, "parents", (bool,), True):
+            os.makedirs(parent, exist_ok=True)
+        if append:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
+            try:
+                _write_fd(fd, data)
+            finally:
+                os.close(fd)
+            return {"size": os.stat(path).st_size}
+        # atomic replace: readers see the old file or the new one, never half of it
+        tmp = os.path.join(parent, ".%s.sandman-%s" % (os.path.basename(path), os.urandom(6).hex()))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            _write_fd(fd, data)
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return {"size": len(data)}
+
+    def op_file_stat(self, req):
+        return stat_result(path_field(req), field(req, "follow_symlinks", (bool,), False))
+
+    def op_file_list(self, req):
+        path = path_field(req)
+        limit = field(req, "limit", (int,), 100000)
+        entries = []
+        with os.scandir(path) as it:
+            for entry in it:
+                if len(entries) >= limit:
+                    break
+                try:
+                    entries.append(_entry(entry.name, entry.stat(follow_symlinks=False),
+                                          entry.path))
+                except OSError:
+                    continue
+        entries.sort(key=lambda e: e["name"])
+        return entries
+
+    def op_file_mkdir(self, req):
+        path = path_field(req)
+        mode = field(req, "mode", (int,), 0o755) & 0o7777
+        if field(req, "parents", (bool,), True):
+            os.makedirs(path, mode, exist_ok=True)
+        else:
+            os.mkdir(path, mode)
+        return None
+
+    async def op_file_remove(self, req):
+        path = path_field(req)
+        recursive = field(req, "recursive", (bool,), False)
+        missing_ok = field(req, "missing_ok", (bool,), False)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            if recursive:
+                import shutil
+                await self.loop.run_in_executor(None, shutil.rmtree, path)
+            else:
+                os.rmdir(path)
+        else:
+            os.unlink(path)
+        return None
+
+    async def op_file_move(self, req):
+        src, dst = path_field(req, "src"), path_field(req, "dst")
+        if not field(req, "overwrite", (bool,), True) and os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "destination exists", dst)
+        try:
+            os.rename(src, dst)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            import shutil
+            await self.loop.run_in_executor(None, shutil.move, src, dst)
+        return None
+
+    async def op_tar_get(self, req, reply):
+        path = path_field(req)
+        if not os.path.lexists(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        writer = _EventWriter(self.loop, reply)
+        size = await self.loop.run_in_executor(None, _tar_directory, path, writer)
+        return {"size": size}
+
+    def op_tar_put_begin(self, req):
+        path = path_field(req)
+        if len(self.uploads) >= 64:
+            raise RequestError("LimitExceeded", "64 uploads are already open")
+        upload_id = self.next_upload
+        self.next_upload += 1
+        self.uploads[upload_id] = (path, _spool_file())
+        return {"upload": upload_id}
+
+    def op_tar_put_data(self, req):
+        path, spool = self._upload(req)
+        spool.write(_as_bytes(field(req, "data", (bytes,))))
+        return None
+
+    async def op_tar_put_end(self, req):
+        path, spool = self._upload(req)
+        del self.uploads[req["upload"]]
+        try:
+            spool.seek(0)
+            count = await self.loop.run_in_executor(None, _untar, spool, path)
+        finally:
+            spool.close()
+        return {"files": count}
+
+    def _upload(self, req):
+        upload = self.uploads.get(field(req, "upload", (int,)))
+        if upload is None:
+            raise RequestError("UploadNotFound", "no open upload %r" % req.get("upload"))
+        return upload
+
+    async def op_shutdown(self, req):
+        grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
+        self.loop.call_soon(self.request_stop, grace)
+        return None
+
+
+class ExecRun:
+    """One ``exec`` in flight: answers its request when the command exits."""
+
+    def __init__(self, daemon, reply, out, err, grace):
+        self.daemon, self.reply, self.out, self.err, self.grace = daemon, reply, out, err, grace
+        self.start = time.monotonic()
+        self.pid = None
+        self.readers = ()
+        self.timer = None
+        self.timed_out = False
+
+    def exited(self, status):
+        if self.timer is not None:
+            self.timer.cancel()
+        for reader in self.readers:
+            reader.drain()
+            reader.close()
+        code, sig = _exit_code(status)
+        out, err = self.out, self.err
+        self.reply.ok({"exit_code": code, "signal": sig, "timed_out": self.timed_out,
+                       "duration_s": time.monotonic() - self.start,
+                       "stdout": bytes(out.data), "stderr": bytes(err.data),
+                       "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
+                       "truncated": out.truncated or err.truncated})
+
+    def time_out(self):
+        self.timed_out = True
+        self.daemon.loop.create_task(self.daemon.terminate([self.pid], self.grace))
+
+    def cancel(self):
+        """The client went away: stop the command at once."""
+        if self.pid in self.daemon.children.waiting:
+            self.daemon.loop.create_task(self.daemon.terminate([self.pid], 0))
+
+
+class Session:
+    """A long-lived shell. Each command is wrapped so the shell itself writes a random
+    sentinel (with the exit code) to stdout and stderr when it ends: no prompt scraping,
+    no polling. The command runs in the shell's own context (``command eval``), so cwd,
+    variables and functions persist; its stdin is /dev/null."""
+
+    def __init__(self, daemon, name, shell, env, cwd):
+        self.daemon, self.name, self.shell = daemon, name, shell
+        self.lock = asyncio.Lock()
+        self.exit_code = None
+        self.current = None
+        in_r, self.stdin = cloexec_pipe()
+        os.set_blocking(self.stdin, False)
+        out_r, out_w = cloexec_pipe()
+        err_r, err_w = cloexec_pipe()
+        argv = [shell, "--noprofile", "--norc"] if shell.endswith("bash") else [shell]
+        try:
+            self.pid = spawn(argv, env, cwd, in_r, out_w, err_w, daemon)
+        except BaseException:
+            for fd in (self.stdin, out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        self.exited = daemon.children.watch(self.pid)
+        self.exited.add_done_callback(self._on_exit)
+        self.readers = [PipeReader(daemon.watcher, out_r, lambda c: self._feed(0, c)),
+                        PipeReader(daemon.watcher, err_r, lambda c: self._feed(1, c))]
+
+    @property
+    def alive(self):
+        return not self.exited.done()
+
+    def _on_exit(self, fut):
+        self.exit_code = _exit_code(fut.result())[0]
+        for reader in self.readers:
+            reader.drain()
+            reader.close()
+        os.close(self.stdin)
+        if self.current is not None and not self.current.finished.done():
+            self.current.finished.set_result(False)
+
+    def _feed(self, index, chunk):
+        if self.current is not None:
+            self.current.feed(index, chunk)
+
+    async def run(self, cmd, timeout, cap, grace):
+        async with self.lock:
+            if not self.alive:
+                raise RequestError("SessionClosed", "session %r has exited" % self.name)
+            start = time.monotonic()
+            run = self.current = _SessionCommand(self.daemon.loop, cap)
+            # bash reads a pipe one byte at a time: keep the wrapper short. $? on the
+            # second line is still the status of the eval.
+            script = ("command eval %s </dev/null\ncommand printf '%s%%d\\n' $?;"
+                      "command echo %s >&2\n" % (shell_quote(cmd), run.sentinel_text,
+                                                  run.sentinel_text))
+            await write_some(self.daemon.loop, self.stdin, script.encode())
+            timed_out = False
+            try:
+                if timeout is None:
+                    finished = await run.finished
+                else:
+                    finished = await asyncio.wait_for(asyncio.shield(run.finished), timeout)
+            except asyncio.TimeoutError:
+                timed_out = True
+                finished = await self._interrupt(run, grace)
+            finally:
+                self.current = None
+            return {"exit_code": run.exit_code if finished else None,
+                    "stdout": bytes(run.out.data), "stderr": bytes(run.err.data),
+                    "stdout_truncated": run.out.truncated,
+                    "stderr_truncated": run.err.truncated,
+                    "truncated": run.out.truncated or run.err.truncated,
+                    "timed_out": timed_out, "duration_s": time.monotonic() - start,
+                    "session_alive": self.alive}
+
+    async def _interrupt(self, run, grace):
+        """Stop the running command but keep the shell: TERM, then KILL, the shell's
+        descendants; if the shell itself is busy (a builtin loop), kill the session."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in descendants(self.pid):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            done, _ = await asyncio.wait([run.finished], timeout=grace)
+            if done:
+                return run.finished.result()
+        await self.daemon.terminate([self.pid], 0)
+        await self.exited
+        return False
+
+    async def close(self, grace):
+        if self.alive:
+            await self.daemon.terminate([self.pid], grace)
+            await self.exited
+
+
+class _SessionCommand:
+    """Output of one session command, split at the sentinels written by the shell."""
+
+    def __init__(self, loop, cap):
+        # 64 random bits per command: output cannot end a command by accident, not
+        # even by printing the sentinels of earlier commands
+        self.sentinel_text = "sm%s" % os.urandom(8).hex()
+        self.sentinel = self.sentinel_text.encode()
+        self.out, self.err = Capture(cap), Capture(cap)
+        self.pending = [bytearray(), bytearray()]
+        self.seen = [False, False]
+        self.exit_code = None
+        self.finished = loop.create_future()
+
+    def feed(self, index, chunk):
+        if self.seen[index]:
+            return  # after the sentinel: output of background jobs, not of this command
+        buf = self.pending[index]
+        buf += chunk
+        capture = self.out if index == 0 else self.err
+        at = buf.find(self.sentinel)
+        if at < 0:
+            keep = len(self.sentinel) - 1
+            if len(buf) > keep:
+                capture.add(bytes(buf[:len(buf) - keep]))
+                del buf[:len(buf) - keep]
+            return
+        if index == 0:
+            end = buf.find(b"\n", at)
+            if end < 0:
+                return  # the exit code has not fully arrived yet
+            self.exit_code = int(buf[at + len(self.sentinel):end] or b"0")
+        capture.add(bytes(buf[:at]))
+        del buf[:]
+        self.seen[index] = True
+        if all(self.seen) and not self.finished.done():
+            self.finished.set_result(True)
+
+
+class Process:
+    """A background process started by ``spawn``; output kept in ring buffers."""
+
+    def __init__(self, cmd, ring_bytes):
+        self.cmd = cmd
+        self.pid = None
+        self.out, self.err = Ring(ring_bytes), Ring(ring_bytes)
+        self.started = time.time()
+        self.ended = None
+        self.exit_code = None
+        self.signal = None
+        self.done = asyncio.Event()
+
+    @property
+    def running(self):
+        return not self.done.is_set()
+
+    def status(self):
+        return {"pid": self.pid, "cmd": self.cmd, "running": self.running,
+                "exit_code": self.exit_code, "signal": self.signal,
+                "started_at": self.started, "ended_at": self.ended,
+                "stdout_bytes": self.out.start + len(self.out.data),
+                "stderr_bytes": self.err.start + len(self.err.data)}
+
+
+async def write_some(loop, fd, data):
+    """Write all of ``data`` to a non-blocking pipe that stays open."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_writer(fd, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_writer(fd)
+        except OSError as exc:
+            raise RequestError("SessionClosed", "the session's shell is gone: %s" % exc)
+
+
+def shell_quote(text):
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def signal_number(value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        sig = value
+    elif isinstance(value, str):
+        name = value.upper()
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+        if not isinstance(sig, int):
+            raise bad_request("unknown signal %r" % value)
+    else:
+        raise bad_request("field 'signal' must be a name or a number")
+    if not 1 <= int(sig) < 65:
+        raise bad_request("signal %r out of range" % value)
+    return int(sig)
+
+
+def _as_bytes(data):
+    return data.encode("utf-8") if isinstance(data, str) else data
+
+
+def _write_fd(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"),
+          (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char"),
+          (stat.S_ISBLK, "block"))
+
+
+def _entry(name, st, path):
+    kind = next((k for test, k in _KINDS if test(st.st_mode)), "other")
+    entry = {"name": name, "type": kind, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
+             "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
+    if kind == "symlink":
+        try:
+            entry["target"] = os.readlink(path)
+        except OSError:
+            entry["target"] = None
+    return entry
+
+
+def stat_result(path, follow):
+    st = os.stat(path) if follow else os.lstat(path)
+    entry = _entry(os.path.basename(path.rstrip("/")) or path, st, path)
+    entry["path"] = path
+    return entry
+
+
+class _EventWriter:
+    """A file-like object for tarfile in a worker thread: every CHUNK bytes it hands one
+    ``data`` event to the event loop and waits for it to be queued (backpressure)."""
+
+    def __init__(self, loop, reply):
+        self.loop, self.reply = loop, reply
+        self.buf = bytearray()
+        self.total = 0
+
+    def write(self, data):
+        self.buf += data
+        self.total += len(data)
+        while len(self.buf) >= CHUNK:
+            self._emit(bytes(self.buf[:CHUNK]))
+            del self.buf[:CHUNK]
+        return len(data)
+
+    def flush(self):
+        if self.buf:
+            self._emit(bytes(self.buf))
+            del self.buf[:]
+
+    def _emit(self, chunk):
+        asyncio.run_coroutine_threadsafe(self._send(chunk), self.loop).result()
+
+    async def _send(self, chunk):
+        self.reply.event("data", chunk)
+        await self.reply.conn.writable.wait()
+
+
+def _tar_directory(path, writer):
+    import tarfile
+    with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(path, arcname=".")
+    writer.flush()
+    return writer.total
+
+
+def _spool_file():
+    """An anonymous temporary file for an upload (memory when /tmp is not writable)."""
+    try:
+        fd = os.open("/tmp", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        return os.fdopen(fd, "w+b")
+    except (OSError, AttributeError):
+        import io
+        return io.BytesIO()
+
+
+def _untar(fileobj, dest):
+    """Extract a tar stream under ``dest``; members may not escape it (absolute paths,
+    ``..``, links pointing outside, device files are refused)."""
+    import tarfile
+    os.makedirs(dest, exist_ok=True)
+    count = 0
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            _check_member(member, dest)
+            if hasattr(tarfile, "data_filter"):
+                tar.extract(member, dest, filter="data")
+            else:  # pragma: no cover - Python builds without the extraction filters
+                tar.extract(member, dest)
+            count += 1
+    return count
+
+
+def _check_member(member, dest):
+    root = os.path.realpath(dest)
+    target = os.path.realpath(os.path.join(root, member.name))
+    if os.path.isabs(member.name) or not (target == root or target.startswith(root + os.sep)):
+        raise RequestError("UnsafeArchive", "member %r would land outside %s" % (member.name, dest))
+    if member.isdev():
+        raise RequestError("UnsafeArchive", "member %r is a device file" % member.name)
+    if member.issym() or member.islnk():
+        base = os.path.dirname(target) if member.issym() else root
+        link = os.path.realpath(os.path.join(base, member.linkname))
+        if os.path.isabs(member.linkname) or not (link == root or link.startswith(root + os.sep)):
+            raise RequestError("UnsafeArchive", "link %r points outside %s" % (member.name, dest))
+
+
+def _kill_all(sig):
+    try:
+        os.kill(-1, sig)  # every process we may signal but ourselves
+    except OSError:
+        pass
+
+
+def read_os_release():
+    info = {}
+    for path in ("/etc/os-release", "/usr/lib/os-release"):
+        try:
+            with open(path, "r", encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    key, sep, value = line.strip().partition("=")
+                    if sep and not key.startswith("#"):
+                        info[key] = value.strip().strip("'\"")
+            break
+        except OSError:
+            continue
+    return info
+
+
+def read_limits():
+    """What this sandbox is limited by, as seen from inside: rlimits and cgroup files."""
+    import resource
+    rlimits = {}
+    for name in ("AS", "CPU", "NOFILE", "NPROC", "FSIZE", "DATA", "STACK"):
+        soft, hard = resource.getrlimit(getattr(resource, "RLIMIT_" + name))
+        rlimits[name.lower()] = [None if soft == resource.RLIM_INFINITY else soft,
+                                 None if hard == resource.RLIM_INFINITY else hard]
+    cgroup = {}
+    for key, path in (("memory_max", "/sys/fs/cgroup/memory.max"),
+                      ("memory_max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                      ("pids_max", "/sys/fs/cgroup/pids.max"),
+                      ("pids_max", "/sys/fs/cgroup/pids/pids.max"),
+                      ("cpu_max", "/sys/fs/cgroup/cpu.max"),
+                      ("cpu_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us")):
+        try:
+            with open(path) as fh:
+                cgroup.setdefault(key, fh.read().strip())
+        except OSError:
+            continue
+    return {"rlimits": rlimits, "cgroup": cgroup}
+
+
+def base_environment():
+    """The environment the daemon was started with, read from /proc/self/environ: the
+    interpreter may have added variables (locale coercion sets LC_CTYPE) that commands
+    in the sandbox must not inherit. SANDMAN_* variables (the token) are removed."""
+    try:
+        with open("/proc/self/environ", "rb") as fh:
+            raw = fh.read()
+        env = {}
+        for item in raw.split(b"\0"):
+            key, sep, value = item.partition(b"=")
+            if sep:
+                env[os.fsdecode(key)] = os.fsdecode(value)
+    except OSError:
+        env = dict(os.environ)
+    for key in [k for k in env if k.startswith("SANDMAN_")]:
+        del env[key]
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return env
+
+
+# --------------------------------------------------------------------------- connection
+class Connection(asyncio.Protocol):
+    """One client connection: frames in, replies and events out, many in flight."""
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.reader = FrameReader()
+        self.transport = None
+        self.authed = False
+        self.inflight = {}  # request id -> Reply
+        self.hello_timer = None
+        self.writable = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.daemon.connections.add(self)
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.hello_timer = self.daemon.loop.call_later(HELLO_TIMEOUT_S, self._no_hello)
+
+    def connection_lost(self, exc):
+        self.daemon.connections.discard(self)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        for reply in list(self.inflight.values()):
+            reply.cancel()
+        self.writable.set()
+
+    def pause_writing(self):  # the client reads slower than we answer: stop reading it
+        self.writable.clear()
+        self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.writable.set()
+        self.transport.resume_reading()
+
+    def _no_hello(self):
+        self._fail("ProtocolError", "no hello within %.0f s" % HELLO_TIMEOUT_S)
+
+    def _fail(self, kind, message):
+        """Answer a protocol violation and close: the stream can no longer be trusted."""
+        if not self.transport.is_closing():
+            try:
+                self.transport.write(encode_frame(
+                    {"id": None, "ok": False, "error": {"type": kind, "message": message}}))
+            except Exception:
+                pass
+            self.transport.close()
+
+    def send(self, msg):
+        if self.transport.is_closing():
+            return
+        try:
+            frame = encode_frame(msg)
+        except CodecError as exc:
+            frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
+                "type": "InternalError", "message": "reply not encodable: %s" % exc}})
+        self.transport.write(frame)
+
+    def data_received(self, data):
+        try:
+            frames = self.reader.feed(data)
+        except CodecError as exc:
+            self._fail("ProtocolError", str(exc))
+            return
+        for body in frames:
+            if self.transport.is_closing():
+                return
+            try:
+                req = unpack(body)
+            except CodecError as exc:
+                self._fail("ProtocolError", "undecodable frame: %s" % exc)
+                return
+            if not isinstance(req, dict):
+                self._fail("ProtocolError", "a frame must hold a map, got %s" % type(req).__name__)
+                return
+            if not self.authed:
+                self._hello(req)
+            else:
+                self._dispatch(req)
+
+    def _hello(self, req):
+        token = req.get("token")
+        if req.get("op") != "hello":
+            self._fail("AuthError", "the first frame must be a hello")
+            return
+        if not isinstance(token, str) or not _tokens_equal(token.encode(), self.daemon.token.encode()):
+            self._fail("AuthError", "wrong token")
+            return
+        if req.get("version") != PROTOCOL_VERSION:
+            self._fail("ProtocolError", "unsupported protocol version %r (this daemon speaks %d)"
+                       % (req.get("version"), PROTOCOL_VERSION))
+            return
+        self.authed = True
+        self.hello_timer.cancel()
+        self.hello_timer = None
+        self.send({"id": req.get("id"), "ok": True,
+                   "result": {"version": PROTOCOL_VERSION, "pid": os.getpid(),
+                              "python": sys.version.split()[0]}})
+
+    def _dispatch(self, req):
+        rid = req.get("id")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            self.send({"id": None, "ok": False, "error": {
+                "type": "BadRequest", "message": "field 'id' must be an int"}})
+            return
+        op = req.get("op")
+        handler = OPS.get(op) if isinstance(op, str) else None
+        if handler is None:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "UnknownOp", "message": "unknown op %r" % (op,)}})
+            return
+        method, kind = handler
+        if kind == "sync":
+            try:
+                result = method(self.daemon, req)
+            except Exception as exc:
+                self.send({"id": rid, "ok": False, "error": _error_body(exc)})
+            else:
+                self.send({"id": rid, "ok": True, "result": result})
+            return
+        if rid in self.inflight:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "BadRequest", "message": "request id %d is already in flight" % rid}})
+            return
+        if len(self.inflight) >= MAX_IN_FLIGHT:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "LimitExceeded", "message": "%d requests in flight" % MAX_IN_FLIGHT}})
+            return
+        reply = self.inflight[rid] = Reply(self, rid)
+        if kind == "callback":
+            try:
+                method(self.daemon, req, reply)
+            except Exception as exc:
+                reply.fail(exc)
+            return
+        args = (self.daemon, req, reply) if kind == "stream" else (self.daemon, req)
+        task = self.daemon.loop.create_task(self._run(reply, method(*args)))
+        reply.on_cancel = task.cancel
+
+    async def _run(self, reply, coro):
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            reply.done = True
+            self.inflight.pop(reply.rid, None)
+        except Exception as exc:
+            reply.fail(exc)
+        else:
+            reply.ok(result)
+
+
+class Reply:
+    """The answer to one request in flight: events, then exactly one ok or error."""
+
+    __slots__ = ("conn", "rid", "on_cancel", "done")
+
+    def __init__(self, conn, rid):
+        self.conn, self.rid = conn, rid
+        self.on_cancel = None
+        self.done = False
+
+    def event(self, name, data):
+        self.conn.send({"id": self.rid, "event": name, "data": data})
+
+    def ok(self, result):
+        self._finish({"id": self.rid, "ok": True, "result": result})
+
+    def fail(self, exc):
+        self._finish({"id": self.rid, "ok": False, "error": _error_body(exc)})
+
+    def _finish(self, msg):
+        if not self.done:
+            self.done = True
+            self.conn.inflight.pop(self.rid, None)
+            self.conn.send(msg)
+
+    def cancel(self):
+        if not self.done and self.on_cancel is not None:
+            self.on_cancel()
+
+
+OPS = {}
+for _name, _kind in (
+        ("ping", "sync"), ("info", "sync"), ("exec", "callback"),
+        ("session_open", "async"), ("session_run", "async"), ("session_close", "async"),
+        ("session_list", "sync"),
+        ("spawn", "sync"), ("proc_status", "sync"), ("proc_output", "sync"),
+        ("proc_wait", "async"), ("proc_signal", "sync"), ("proc_list", "sync"),
+        ("file_read", "sync"), ("file_write", "sync"), ("file_stat", "sync"),
+        ("file_list", "sync"), ("file_mkdir", "sync"), ("file_remove", "async"),
+        ("file_move", "async"), ("tar_get", "stream"), ("tar_put_begin", "sync"),
+        ("tar_put_data", "sync"), ("tar_put_end", "async"), ("shutdown", "async")):
+    OPS[_name] = (getattr(Daemon, "op_" + _name), _kind)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv):
+    opts = {"listen": None, "token_file": None, "workdir": None, "ready_fd": None,
+            "max_output": DEFAULT_OUTPUT_CAP}
+    it = iter(argv)
+    for arg in it:
+        key, sep, value = arg.partition("=")
+        name = key.lstrip("-").replace("-", "_")
+        if not key.startswith("--") or name not in opts:
+            raise SystemExit("sandmand: unknown argument %r\n%s" % (arg, __doc__))
+        if not sep:
+            value = next(it, None)
+            if value is None:
+                raise SystemExit("sandmand: %s needs a value" % key)
+        opts[name] = value
+    if opts["listen"] is None:
+        raise SystemExit("sandmand: --listen is required\n%s" % __doc__)
+    return opts
+
+
+def main(argv=None):
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    if opts["token_file"]:
+        with open(opts["token_file"], "r") as fh:
+            token = fh.read().strip()
+    else:
+        token = os.environ.get("SANDMAN_TOKEN", "")
+    for key in [k for k in os.environ if k.startswith("SANDMAN_")]:
+        del os.environ[key]
+    if not token:
+        raise SystemExit("sandmand: no token (give --token-file or SANDMAN_TOKEN)")
+    workdir = opts["workdir"] or os.getcwd()
+    os.chdir(workdir)
+    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]))
+    ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
+    asyncio.run(daemon.serve(opts["listen"], ready_fd))
+
+
+if __name__ == "__main__":
+    main()

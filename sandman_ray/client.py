@@ -1,0 +1,612 @@
+"""Client of the sandbox daemon (``daemon/sandmand.py``, protocol in ``docs/protocol.md``).
+
+Every operation is written once, as a *plan*: a generator that yields the requests it
+needs and receives their results. ``DaemonClient`` drives plans over a blocking socket
+(for scripts and tests); ``AsyncDaemonClient`` drives the same plans over asyncio with
+many requests in flight on one connection (for the handle actor). Both use the daemon's
+own frame definitions and codec.
+"""
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Union
+
+from sandman_ray.daemon.sandmand import (
+    MAX_FRAME, PROTOCOL_VERSION, CodecError, FrameReader, encode_frame, unpack)
+from sandman_ray.errors import (
+    AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError)
+
+Command = Union[str, Sequence[str]]
+OnOutput = Callable[[str, bytes], None]
+# Slack added to a command's own timeout for the client-side wait on its reply.
+REPLY_SLACK_S = 30.0
+READ_CHUNK = 32 * 1024 * 1024  # the daemon answers at most this much per file_read
+UPLOAD_CHUNK = 8 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------- results
+class ExecResult(NamedTuple):
+    """The outcome of one command.
+
+    exit_code: the command's exit status; 128+N when killed by signal N; None when a
+        session command was cut short with its shell.
+    stdout, stderr: what it printed, up to the output cap (empty when streamed).
+    duration_s: wall time from start to exit, measured by the daemon.
+    timed_out: the command ran past its timeout and was killed.
+    signal: the signal that ended it, if any.
+    truncated: some output was over the cap and dropped.
+    session_alive: for session commands, whether the shell survived (always True for
+        one-shot commands).
+    """
+
+    exit_code: Optional[int]
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    timed_out: bool = False
+    signal: Optional[int] = None
+    truncated: bool = False
+    session_alive: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (undecodable bytes replaced)."""
+        return self.stdout.decode("utf-8", "replace")
+
+    @classmethod
+    def from_wire(cls, r: Dict[str, Any]) -> "ExecResult":
+        return cls(r["exit_code"], r["stdout"], r["stderr"], r["duration_s"], r["timed_out"],
+                   r.get("signal"), r.get("truncated", False), r.get("session_alive", True))
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    """A background process started by ``spawn``.
+
+    pid: its pid inside the sandbox. running: not yet exited. exit_code / signal: how it
+    ended. started_at / ended_at: daemon wall-clock times. stdout_bytes / stderr_bytes:
+    bytes written so far (cursors for ``output`` run up to these).
+    """
+
+    pid: int
+    cmd: Any
+    running: bool
+    exit_code: Optional[int]
+    signal: Optional[int]
+    started_at: float
+    ended_at: Optional[float]
+    stdout_bytes: int
+    stderr_bytes: int
+    timed_out: bool = False
+
+    @classmethod
+    def from_wire(cls, r: Dict[str, Any]) -> "ProcessStatus":
+        return cls(**{k: r[k] for k in cls.__dataclass_fields__ if k in r})
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    """A slice of a background process's output.
+
+    data: the bytes from the cursor asked for. cursor: where to continue next time.
+    dropped: bytes lost between the cursor asked for and the oldest byte still held by
+    the ring buffer. eof: the process has exited and everything was read.
+    """
+
+    data: bytes
+    cursor: int
+    dropped: int
+    eof: bool
+
+    @classmethod
+    def from_wire(cls, r: Dict[str, Any]) -> "ProcessOutput":
+        return cls(r["data"], r["cursor"], r["dropped"], r["eof"])
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """A file in the sandbox. type: file, dir, symlink, fifo, socket, char, block or
+    other; mode: permission bits; target: a symlink's target."""
+
+    name: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+    uid: int
+    gid: int
+    target: Optional[str] = None
+    path: Optional[str] = None
+
+    @classmethod
+    def from_wire(cls, r: Dict[str, Any]) -> "FileStat":
+        return cls(**{k: r[k] for k in cls.__dataclass_fields__ if k in r})
+
+
+class Request:
+    """One request of a multi-step plan: the op, its fields, the client-side timeout
+    for its reply and, for streaming ops, a callback for its events."""
+
+    __slots__ = ("op", "fields", "timeout", "on_event")
+
+    def __init__(self, op: str, fields: Dict[str, Any], timeout: Optional[float] = None,
+                 on_event: Optional[OnOutput] = None):
+        self.op, self.fields, self.timeout, self.on_event = op, fields, timeout, on_event
+
+
+Plan = Generator[Request, Any, Any]
+
+
+def _present(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """The fields that were given (None means "the daemon's default")."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _reply_timeout(command_timeout: Optional[float], default: Optional[float]) -> Optional[float]:
+    if command_timeout is None:
+        return None
+    return command_timeout + REPLY_SLACK_S if default is None else max(default, command_timeout + REPLY_SLACK_S)
+
+
+# --------------------------------------------------------------------------- operations
+class _Operations:
+    """Every daemon operation, once. ``_run(plan)`` is the transport: a value for the
+    blocking client, an awaitable for the asyncio client."""
+
+    default_timeout: Optional[float] = None
+
+    def _call(self, op: str, fields: Dict[str, Any], convert=None, timeout=None,
+              on_event=None):  # pragma: no cover - implemented by the transports
+        """One request; ``convert`` turns its result into the value returned."""
+        raise NotImplementedError
+
+    def _run(self, plan: Plan):  # pragma: no cover - implemented by the transports
+        """Several requests, each depending on the last: a generator of Requests."""
+        raise NotImplementedError
+
+    def ping(self):
+        return self._call("ping", {}, timeout=self.default_timeout)
+
+    def info(self):
+        """pid, uptime, python, os_release, limits ... of the daemon (a dict)."""
+        return self._call("info", {}, timeout=self.default_timeout)
+
+    def exec(self, cmd: Command, *, timeout: Optional[float] = None, cwd: Optional[str] = None,
+             env: Optional[Dict[str, Optional[str]]] = None, stdin: Optional[bytes] = None,
+             max_output: Optional[int] = None, kill_grace_s: Optional[float] = None,
+             on_output: Optional[OnOutput] = None):
+        """Run a command once (a shell string, or an argv list run without a shell).
+        With ``on_output`` the output is streamed to it as ``(stream, bytes)`` and the
+        result's stdout/stderr are empty."""
+        fields = {"cmd": cmd if isinstance(cmd, str) else list(cmd)}
+        if timeout is not None or cwd or env or stdin or max_output is not None \
+                or kill_grace_s is not None or on_output:
+            fields.update(_present({"timeout": timeout, "cwd": cwd, "env": env, "stdin": stdin,
+                                    "max_output": max_output, "kill_grace_s": kill_grace_s,
+                                    "stream": True if on_output else None}))
+        return self._call("exec", fields, ExecResult.from_wire,
+                          _reply_timeout(timeout, self.default_timeout), on_output)
+
+    # sessions
+    def session_open(self, session: str = "default", *, shell: Optional[str] = None,
+                     cwd: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None):
+        return self._call("session_open", _present({"session": session, "shell": shell,
+                                                  "cwd": cwd, "env": env}),
+                                 timeout=self.default_timeout)
+
+    def run(self, cmd: str, *, session: str = "default", timeout: Optional[float] = None,
+            max_output: Optional[int] = None, kill_grace_s: Optional[float] = None):
+        """Run ``cmd`` in a persistent shell session (opened on first use for
+        ``default``): cwd, variables and functions carry over to the next run."""
+        fields = _present({"session": session, "cmd": cmd, "timeout": timeout,
+                           "max_output": max_output, "kill_grace_s": kill_grace_s})
+        return self._call("session_run", fields, ExecResult.from_wire,
+                                 _reply_timeout(timeout, self.default_timeout))
+
+    def session_close(self, session: str = "default"):
+        return self._call("session_close", _present({"session": session}),
+                                 timeout=self.default_timeout)
+
+    def session_list(self):
+        return self._call("session_list", {}, timeout=self.default_timeout)
+
+    # background processes
+    def spawn(self, cmd: Command, *, cwd: Optional[str] = None,
+              env: Optional[Dict[str, Optional[str]]] = None, stdin: Optional[bytes] = None,
+              buffer_bytes: Optional[int] = None):
+        """Start a background process; returns its pid."""
+        fields = _present({"cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd,
+                           "env": env, "stdin": stdin, "buffer_bytes": buffer_bytes})
+        return self._call("spawn", fields, lambda r: r["pid"], self.default_timeout)
+
+    def proc_status(self, pid: int):
+        return self._call("proc_status", _present({"pid": pid}), ProcessStatus.from_wire,
+                                 self.default_timeout)
+
+    def proc_list(self):
+        return self._call("proc_list", {}, lambda rs: [ProcessStatus.from_wire(r) for r in rs],
+                                 self.default_timeout)
+
+    def proc_output(self, pid: int, stream: str = "stdout", cursor: int = 0,
+                    max_bytes: Optional[int] = None):
+        fields = _present({"pid": pid, "stream": stream, "cursor": cursor, "max_bytes": max_bytes})
+        return self._call("proc_output", fields, ProcessOutput.from_wire,
+                                 self.default_timeout)
+
+    def proc_wait(self, pid: int, timeout: Optional[float] = None):
+        return self._call("proc_wait", _present({"pid": pid, "timeout": timeout}),
+                                 ProcessStatus.from_wire,
+                                 _reply_timeout(timeout, self.default_timeout))
+
+    def proc_signal(self, pid: int, signal: Union[int, str] = "TERM", group: bool = True):
+        return self._call("proc_signal", _present({"pid": pid, "signal": signal, "group": group}),
+                                 ProcessStatus.from_wire, self.default_timeout)
+
+    # files
+    def read_file(self, path: str, offset: int = 0, length: Optional[int] = None):
+        """Read a file (all of it from ``offset`` unless ``length`` is given)."""
+        return self._run(self._read_plan(path, offset, length))
+
+    def _read_plan(self, path: str, offset: int, length: Optional[int]) -> Plan:
+        chunks: List[bytes] = []
+        want = length
+        while True:
+            ask = READ_CHUNK if want is None else min(want, READ_CHUNK)
+            r = yield Request("file_read", {"path": path, "offset": offset, "length": ask},
+                              self.default_timeout)
+            chunks.append(r["data"])
+            offset += len(r["data"])
+            if want is not None:
+                want -= len(r["data"])
+            if r["eof"] or not r["data"] or (want is not None and want <= 0):
+                return b"".join(chunks)
+
+    def write_file(self, path: str, data: Union[bytes, str], *, mode: int = 0o644,
+                   parents: bool = True, append: bool = False):
+        fields = {"path": path, "data": data, "mode": mode, "parents": parents, "append": append}
+        return self._call("file_write", fields, lambda r: r["size"], self.default_timeout)
+
+    def stat(self, path: str, follow_symlinks: bool = False):
+        return self._call("file_stat", _present({"path": path, "follow_symlinks": follow_symlinks}),
+                                 FileStat.from_wire, self.default_timeout)
+
+    def list_dir(self, path: str):
+        return self._call("file_list", _present({"path": path}),
+                                 lambda rs: [FileStat.from_wire(r) for r in rs],
+                                 self.default_timeout)
+
+    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755):
+        return self._call("file_mkdir", _present({"path": path, "parents": parents, "mode": mode}),
+                                 timeout=self.default_timeout)
+
+    def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False):
+        return self._call("file_remove", _present({"path": path, "recursive": recursive,
+                                                 "missing_ok": missing_ok}),
+                                 timeout=self.default_timeout)
+
+    def move(self, src: str, dst: str, *, overwrite: bool = True):
+        return self._call("file_move", _present({"src": src, "dst": dst, "overwrite": overwrite}),
+                                 timeout=self.default_timeout)
+
+    def get_archive(self, path: str):
+        """A file or directory of the sandbox as an uncompressed tar (bytes)."""
+        return self._run(self._get_archive_plan(path))
+
+    def _get_archive_plan(self, path: str) -> Plan:
+        chunks: List[bytes] = []
+        yield Request("tar_get", {"path": path}, self.default_timeout,
+                      lambda _event, data: chunks.append(data))
+        return b"".join(chunks)
+
+    def put_archive(self, path: str, tar: bytes):
+        """Extract an uncompressed tar under ``path`` (created if missing); members
+        that would land outside it are refused. Returns the number of members."""
+        return self._run(self._put_archive_plan(path, tar))
+
+    def _put_archive_plan(self, path: str, tar: bytes) -> Plan:
+        begun = yield Request("tar_put_begin", {"path": path}, self.default_timeout)
+        upload = begun["upload"]
+        view = memoryview(tar)
+        for start in range(0, len(view), UPLOAD_CHUNK):
+            yield Request("tar_put_data", {"upload": upload,
+                                           "data": bytes(view[start:start + UPLOAD_CHUNK])},
+                          self.default_timeout)
+        done = yield Request("tar_put_end", {"upload": upload}, self.default_timeout)
+        return done["files"]
+
+    def shutdown(self, kill_grace_s: Optional[float] = None):
+        """Stop every process of the sandbox and the daemon itself."""
+        return self._call("shutdown", _present({"kill_grace_s": kill_grace_s}),
+                                 timeout=self.default_timeout)
+
+
+def _parse_address(address: str):
+    kind, _, where = address.partition(":")
+    if kind == "unix" and where:
+        return socket.AF_UNIX, where
+    if kind == "tcp":
+        host, _, port = where.rpartition(":")
+        if host and port.isdigit():
+            return socket.AF_INET, (host, int(port))
+    raise ValueError("daemon address must be unix:PATH or tcp:HOST:PORT, got %r" % address)
+
+
+def _reply_value(reply: Dict[str, Any], op: str):
+    if reply.get("ok"):
+        return reply.get("result")
+    err = reply.get("error") or {}
+    raise DaemonError(str(err.get("type", "Error")), str(err.get("message", "")), op,
+                      err.get("errno"))
+
+
+def _connection_error(reply: Dict[str, Any]) -> Exception:
+    """The exception for a frame with no request id: the daemon is closing on us."""
+    err = reply.get("error") or {}
+    kind, message = err.get("type", "ProtocolError"), err.get("message", "")
+    if kind == "AuthError":
+        return AuthError(message)
+    return ProtocolError("%s: %s" % (kind, message))
+
+
+def _hello_fields(token: str) -> Dict[str, Any]:
+    return {"op": "hello", "token": token, "version": PROTOCOL_VERSION}
+
+
+# --------------------------------------------------------------------------- blocking
+class DaemonClient(_Operations):
+    """Blocking client over one connection; calls from several threads are serialised.
+
+    ``default_timeout`` bounds the wait for each reply (commands with their own timeout
+    get that plus ``REPLY_SLACK_S``); None waits as long as it takes.
+    """
+
+    def __init__(self, address: str, token: str, *, connect_timeout: float = 10.0,
+                 default_timeout: Optional[float] = None):
+        self.address = address
+        self.default_timeout = default_timeout
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._abandoned: set = set()
+        self._reader = FrameReader(MAX_FRAME)
+        self._frames: List[bytes] = []
+        self._timeout: Optional[float] = connect_timeout
+        family, where = _parse_address(address)
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(connect_timeout)
+            self._sock.connect(where)
+            if family == socket.AF_INET:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._request("hello", _hello_fields(token), connect_timeout, None, hello=True)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionLost("cannot connect to daemon at %s: %s" % (address, exc)) from exc
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "DaemonClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, op, fields, convert=None, timeout=None, on_event=None):
+        result = self._request(op, fields, timeout, on_event)
+        return convert(result) if convert is not None else result
+
+    def _run(self, plan: Plan):
+        try:
+            req = next(plan)
+            while True:
+                req = plan.send(self._request(req.op, req.fields, req.timeout, req.on_event))
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            plan.close()
+
+    def _request(self, op, fields, timeout, on_event, hello=False):
+        with self._lock:
+            rid = next(self._ids)
+            if not hello:
+                fields["op"] = op
+            fields["id"] = rid
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                self._sock.sendall(encode_frame(fields))
+                while True:
+                    reply = self._next_frame(deadline, op, rid)
+                    got = reply.get("id")
+                    if got == rid:
+                        if "event" in reply:
+                            if on_event is not None:
+                                on_event(reply["event"], reply["data"])
+                            continue
+                        return _reply_value(reply, op)
+                    if got is None:
+                        raise _connection_error(reply)
+                    self._abandoned.discard(got)  # a late reply of a timed-out call
+            except OSError as exc:
+                raise ConnectionLost("connection to %s lost during %s: %s"
+                                     % (self.address, op, exc)) from exc
+
+    def _set_timeout(self, timeout: Optional[float]) -> None:
+        # settimeout costs two fcntl calls; the common case (no deadline) needs none
+        if timeout is not None or self._timeout is not None:
+            self._sock.settimeout(timeout)
+            self._timeout = timeout
+
+    def _next_frame(self, deadline, op, rid):
+        while not self._frames:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._abandoned.add(rid)
+                    raise CallTimeout("no reply to %s from %s in time" % (op, self.address))
+                self._set_timeout(left)
+            else:
+                self._set_timeout(None)
+            try:
+                data = self._sock.recv(1 << 20)
+            except socket.timeout:
+                continue
+            if not data:
+                raise ConnectionLost("daemon at %s closed the connection during %s"
+                                     % (self.address, op))
+            try:
+                self._frames.extend(self._reader.feed(data))
+            except CodecError as exc:
+                raise ProtocolError(str(exc)) from exc
+        try:
+            reply = unpack(self._frames.pop(0))
+        except CodecError as exc:
+            raise ProtocolError("undecodable reply: %s" % exc) from exc
+        if not isinstance(reply, dict):
+            raise ProtocolError("reply is not a map: %r" % (reply,))
+        return reply
+
+
+# --------------------------------------------------------------------------- asyncio
+class _ClientProtocol(asyncio.Protocol):
+    def __init__(self, client: "AsyncDaemonClient"):
+        self.client = client
+        self.reader = FrameReader(MAX_FRAME)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.client._frames_in(self.reader.feed(data))
+        except CodecError as exc:
+            self.client._fail(ProtocolError(str(exc)))
+        except ProtocolError as exc:
+            self.client._fail(exc)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.client._fail(ConnectionLost("connection to %s closed%s"
+                                         % (self.client.address, ": %s" % exc if exc else "")))
+
+
+class AsyncDaemonClient(_Operations):
+    """asyncio client: many requests in flight on one connection. Create with
+    ``await AsyncDaemonClient.connect(address, token)``."""
+
+    def __init__(self, address: str, default_timeout: Optional[float] = None):
+        self.address = address
+        self.default_timeout = default_timeout
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, "asyncio.Future[Any]"] = {}
+        self._events: Dict[int, OnOutput] = {}
+        self._transport: Optional[asyncio.Transport] = None
+        self._error: Optional[Exception] = None
+
+    @classmethod
+    async def connect(cls, address: str, token: str, *, connect_timeout: float = 10.0,
+                      default_timeout: Optional[float] = None) -> "AsyncDaemonClient":
+        client = cls(address, default_timeout)
+        loop = asyncio.get_running_loop()
+        family, where = _parse_address(address)
+        try:
+            if family == socket.AF_UNIX:
+                connecting = loop.create_unix_connection(lambda: _ClientProtocol(client), where)
+            else:
+                connecting = loop.create_connection(lambda: _ClientProtocol(client), *where)
+            client._transport, _ = await asyncio.wait_for(connecting, connect_timeout)
+            await client._request("hello", _hello_fields(token), connect_timeout, None,
+                                  hello=True)
+        except (OSError, asyncio.TimeoutError) as exc:
+            client.close()
+            raise ConnectionLost("cannot connect to daemon at %s: %s" % (address, exc)) from exc
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self._fail(ConnectionLost("client closed"))
+
+    async def __aenter__(self) -> "AsyncDaemonClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    async def _call(self, op, fields, convert=None, timeout=None, on_event=None):
+        result = await self._request(op, fields, timeout, on_event)
+        return convert(result) if convert is not None else result
+
+    async def _run(self, plan: Plan):
+        try:
+            req = next(plan)
+            while True:
+                req = plan.send(await self._request(req.op, req.fields, req.timeout, req.on_event))
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            plan.close()
+
+    async def _request(self, op, fields, timeout, on_event, hello=False):
+        if self._error is not None:
+            raise self._error
+        rid = next(self._ids)
+        if not hello:
+            fields["op"] = op
+        fields["id"] = rid
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        if on_event is not None:
+            self._events[rid] = on_event
+        try:
+            self._transport.write(encode_frame(fields))
+            reply = await asyncio.wait_for(fut, timeout) if timeout else await fut
+        except asyncio.TimeoutError:
+            raise CallTimeout("no reply to %s from %s in time" % (op, self.address)) from None
+        finally:
+            self._pending.pop(rid, None)
+            self._events.pop(rid, None)
+        return _reply_value(reply, op)
+
+    def _frames_in(self, frames: List[bytes]) -> None:
+        for body in frames:
+            try:
+                reply = unpack(body)
+            except CodecError as exc:
+                raise ProtocolError("undecodable reply: %s" % exc) from exc
+            if not isinstance(reply, dict):
+                raise ProtocolError("reply is not a map: %r" % (reply,))
+            rid = reply.get("id")
+            if rid is None:
+                raise _connection_error(reply)
+            if "event" in reply:
+                callback = self._events.get(rid)
+                if callback is not None:
+                    callback(reply["event"], reply["data"])
+                continue
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def _fail(self, exc: Exception) -> None:
+        if self._error is None:
+            self._error = exc
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._error)
+        self._pending.clear()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()

@@ -1,0 +1,68 @@
+"""One exception hierarchy for everything sandman-ray raises."""
+
+from typing import Optional
+
+
+class SandmanError(Exception):
+    """Base of every sandman-ray error."""
+
+
+class ProtocolError(SandmanError):
+    """The peer broke the wire protocol (bad frame, wrong version, unexpected reply)."""
+
+
+class AuthError(ProtocolError):
+    """The daemon refused the hello: wrong or missing token."""
+
+
+class ConnectionLost(SandmanError):
+    """The connection to a daemon closed while a request was in flight, or could not be
+    opened."""
+
+
+class CallTimeout(SandmanError, TimeoutError):
+    """A request got no reply within the client-side timeout."""
+
+
+class DaemonError(SandmanError):
+    """The daemon answered a request with an error.
+
+    ``type`` is the daemon's error kind (``FileNotFoundError``, ``BadRequest``,
+    ``SessionClosed`` ...), ``errno`` its symbolic errno when the cause was an OSError,
+    ``op`` the request that failed.
+    """
+
+    def __init__(self, type: str, message: str, op: str = "", errno: Optional[str] = None):
+        super().__init__("%s: %s%s" % (type, message, " (op %s)" % op if op else ""))
+        self.type = type
+        self.message = message
+        self.op = op
+        self.errno = errno
+
+
+class ExecTimeout(SandmanError, TimeoutError):
+    """A command ran past its timeout; ``result`` holds what it printed until then."""
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
+
+
+class SandboxLost(SandmanError):
+    """The sandbox or its daemon is gone (deleted, crashed, its node removed)."""
+
+
+class AcquireTimeout(SandmanError, TimeoutError):
+    """No sandbox could be leased within the acquire timeout."""
+
+
+class ProviderError(SandmanError):
+    """A provider operation failed. ``kind`` is ``throttled``, ``transient`` or
+    ``fatal``: the pool slows down on the first, retries the second, gives up on the
+    third."""
+
+    def __init__(self, message: str, kind: str = "fatal"):
+        if kind not in ("throttled", "transient", "fatal"):
+            raise ValueError("ProviderError kind must be throttled, transient or fatal, not %r" % kind)
+        super().__init__(message)
+        self.kind = kind

@@ -1,0 +1,1 @@
+"""Sandbox providers: create, delete, list and locate sandboxes."""

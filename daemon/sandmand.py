@@ -11,6 +11,7 @@ Usage::
     sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT
                 [--token-file FILE]     (else the SANDMAN_TOKEN environment variable)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
+                [--hello-timeout SECONDS]
 
 The client side (``sandman_ray.client``) imports this module for its frame constants
 and its codec, so both ends share one definition of the wire format.
@@ -422,13 +423,15 @@ def signal_tree(pid, sig, alive=True):
     """Send ``sig`` to ``pid``'s process group and, while ``pid`` itself is alive (not
     yet reaped), to it and every descendant (some may have left the group with setsid).
     Returns the descendants signalled; missing processes are ignored."""
+    # the tree first: once the group is signalled its members die and their children
+    # are reparented away from ``pid``, out of reach of a later scan
+    targets = descendants(pid) if alive else []
     try:
         os.killpg(pid, sig)
     except OSError:
         pass
     if not alive:
         return []
-    targets = descendants(pid)
     for target in [pid] + targets:
         try:
             os.kill(target, sig)
@@ -523,7 +526,7 @@ class Children:
             self.callbacks[pid] = callback
         if _HAS_PIDFD:
             try:
-                fd = os.pidfd_open(pid)
+                fd = os.pidfd_open(pid)  # novermin (only where _HAS_PIDFD)
             except OSError:
                 return fut
             self.pidfds[pid] = fd
@@ -729,8 +732,9 @@ async def write_all(loop, fd, data):
 
 # --------------------------------------------------------------------------- daemon
 class Daemon:
-    def __init__(self, token, workdir, default_cap):
+    def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S):
         self.token = token
+        self.hello_timeout_s = hello_timeout_s
         self.workdir = workdir
         self.default_cap = default_cap
         self.started = time.time()
@@ -1270,6 +1274,7 @@ class Session:
             reader.close()
         os.close(self.stdin)
         if self.current is not None and not self.current.finished.done():
+            self.current.flush()
             self.current.finished.set_result(False)
 
     def _feed(self, index, chunk):
@@ -1366,6 +1371,13 @@ class _SessionCommand:
         self.seen[index] = True
         if all(self.seen) and not self.finished.done():
             self.finished.set_result(True)
+
+    def flush(self):
+        """The shell is gone: what was held back while looking for a sentinel is output."""
+        for index, capture in ((0, self.out), (1, self.err)):
+            if not self.seen[index]:
+                capture.add(bytes(self.pending[index]))
+                del self.pending[index][:]
 
 
 class Process:
@@ -1496,7 +1508,8 @@ class _EventWriter:
 def _tar_directory(path, writer):
     import tarfile
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        tar.add(path, arcname=".")
+        # a directory's contents sit under "."; a single file keeps its name
+        tar.add(path, arcname="." if os.path.isdir(path) else os.path.basename(path))
     writer.flush()
     return writer.total
 
@@ -1625,7 +1638,7 @@ class Connection(asyncio.Protocol):
         self.daemon.connections.add(self)
         self.writable = asyncio.Event()
         self.writable.set()
-        self.hello_timer = self.daemon.loop.call_later(HELLO_TIMEOUT_S, self._no_hello)
+        self.hello_timer = self.daemon.loop.call_later(self.daemon.hello_timeout_s, self._no_hello)
 
     def connection_lost(self, exc):
         self.daemon.connections.discard(self)
@@ -1644,7 +1657,7 @@ class Connection(asyncio.Protocol):
         self.transport.resume_reading()
 
     def _no_hello(self):
-        self._fail("ProtocolError", "no hello within %.0f s" % HELLO_TIMEOUT_S)
+        self._fail("ProtocolError", "no hello within %.1f s" % self.daemon.hello_timeout_s)
 
     def _fail(self, kind, message):
         """Answer a protocol violation and close: the stream can no longer be trusted."""
@@ -1806,7 +1819,7 @@ for _name, _kind in (
 # --------------------------------------------------------------------------- main
 def parse_args(argv):
     opts = {"listen": None, "token_file": None, "workdir": None, "ready_fd": None,
-            "max_output": DEFAULT_OUTPUT_CAP}
+            "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -1836,7 +1849,7 @@ def main(argv=None):
         raise SystemExit("sandmand: no token (give --token-file or SANDMAN_TOKEN)")
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
-    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]))
+    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
     ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
     asyncio.run(daemon.serve(opts["listen"], ready_fd))
 

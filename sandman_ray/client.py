@@ -374,7 +374,6 @@ class DaemonClient(_Operations):
         self.default_timeout = default_timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._abandoned: set = set()
         self._reader = FrameReader(MAX_FRAME)
         self._frames: List[bytes] = []
         self._timeout: Optional[float] = connect_timeout
@@ -436,7 +435,9 @@ class DaemonClient(_Operations):
                         return _reply_value(reply, op)
                     if got is None:
                         raise _connection_error(reply)
-                    self._abandoned.discard(got)  # a late reply of a timed-out call
+                    # else: the late reply of a call that timed out; skip it
+            except CallTimeout:  # a TimeoutError, so an OSError: not a lost connection
+                raise
             except OSError as exc:
                 raise ConnectionLost("connection to %s lost during %s: %s"
                                      % (self.address, op, exc)) from exc
@@ -452,7 +453,6 @@ class DaemonClient(_Operations):
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._abandoned.add(rid)
                     raise CallTimeout("no reply to %s from %s in time" % (op, self.address))
                 self._set_timeout(left)
             else:

@@ -1,0 +1,95 @@
+"""The self-contained daemon bundle in real bubblewrap sandboxes of images that have no
+Python and no libc."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sandman_ray import DaemonClient
+from sandman_ray.bundle import bundle_size
+from sandman_ray.providers.bwrap import BwrapSandbox
+from conftest import require_bwrap
+
+
+@pytest.fixture
+def busybox_sandbox(bundle, busybox_rootfs, tmp_path):
+    require_bwrap()
+    sandbox = BwrapSandbox(busybox_rootfs, bundle, tmp_path / "run", hostname="bb")
+    address = sandbox.start()
+    with DaemonClient(address, sandbox.token, default_timeout=30) as client:
+        yield sandbox, client
+    sandbox.stop()
+
+
+def test_bundle_holds_interpreter_loader_libraries_and_stdlib(bundle):
+    meta = json.loads((bundle / "BUNDLE.json").read_text())
+    assert meta["mount"] == "/.sandman"
+    for rel in ("bin/python3", "bin/sandmand", "sandmand.py", "lib/" + meta["loader"],
+                "lib/libc.so.6", "lib/python%s.zip" % meta["version"].replace(".", "")):
+        assert (bundle / rel).is_file(), rel
+    assert bundle_size(bundle) < 40e6
+
+
+def test_busybox_image_has_neither_python_nor_libc(busybox_rootfs):
+    assert not list(busybox_rootfs.glob("**/libc.so*"))
+    assert not list(busybox_rootfs.glob("**/python*"))
+
+
+def test_exec_ls_lists_the_busybox_tree(busybox_sandbox, busybox_rootfs):
+    _, client = busybox_sandbox
+    listed = set(client.exec("ls /").text.split())
+    expected = {p.name for p in busybox_rootfs.iterdir() if not p.name.startswith(".")}
+    assert listed == expected
+    assert client.info()["os_release"]["ID"] == "busybox"
+
+
+def test_sessions_files_and_processes_work_without_bash(busybox_sandbox):
+    _, client = busybox_sandbox
+    client.run("cd /tmp && export V=1")
+    assert client.run("echo $V; pwd").stdout == b"1\n/tmp\n"
+    client.write_file("/tmp/f", b"content")
+    assert client.exec("cat /tmp/f").stdout == b"content"
+    pid = client.spawn("echo bg")
+    client.proc_wait(pid, timeout=10)
+    assert client.proc_output(pid).data == b"bg\n"
+
+
+def test_only_the_daemon_maps_the_bundle_libraries(busybox_sandbox):
+    _, client = busybox_sandbox
+    daemon_pid = client.info()["pid"]
+    daemon_maps = client.read_file("/proc/%d/maps" % daemon_pid).decode()
+    assert "/.sandman/lib/libc.so.6" in daemon_maps
+    child_maps = client.exec("cat /proc/self/maps").text
+    assert "/.sandman" not in child_maps
+
+
+def test_hostile_loader_variables_do_not_stop_the_daemon(bundle, busybox_rootfs, tmp_path):
+    require_bwrap()
+    env = {"PATH": "/bin", "LD_LIBRARY_PATH": "/nonexistent", "LD_PRELOAD": "/nonexistent.so"}
+    sandbox = BwrapSandbox(busybox_rootfs, bundle, tmp_path / "run", env=env)
+    try:
+        with DaemonClient(sandbox.start(), sandbox.token, default_timeout=30) as client:
+            assert client.exec("echo ok").stdout == b"ok\n"
+            assert "LD_PRELOAD=/nonexistent.so" in client.exec(["env"]).text  # the image's own
+    finally:
+        sandbox.stop()
+
+
+def test_sandbox_sees_only_its_own_processes_and_no_network(busybox_sandbox):
+    _, client = busybox_sandbox
+    pids = [p for p in client.exec("ls /proc").text.split() if p.isdigit()]
+    assert len(pids) < 10
+    assert client.exec("ls /sys/class/net").text.split() in (["lo"], [])
+
+
+def test_stopping_the_sandbox_leaves_nothing(bundle, busybox_rootfs, tmp_path):
+    require_bwrap()
+    from conftest import processes_matching
+    sandbox = BwrapSandbox(busybox_rootfs, bundle, tmp_path / "run")
+    with DaemonClient(sandbox.start(), sandbox.token) as client:
+        client.spawn("sleep 71.5")
+    sandbox.stop()
+    assert processes_matching("sleep 71.5") == []
+    assert not (tmp_path / "run" / "sock").exists()

@@ -1,0 +1,114 @@
+"""File operations and tar streams through a real daemon process."""
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from sandman_ray import DaemonError
+
+
+def test_write_then_read_with_parents_mode_offset_and_length(client, tmp_path):
+    path = str(tmp_path / "a" / "b" / "f.bin")
+    data = bytes(range(256)) * 100
+    assert client.write_file(path, data, mode=0o600) == len(data)
+    assert client.read_file(path) == data
+    assert client.read_file(path, offset=10, length=5) == data[10:15]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_write_replaces_atomically_and_appends(client, tmp_path):
+    path = str(tmp_path / "f.txt")
+    client.write_file(path, b"old")
+    client.write_file(path, "new text")
+    assert client.read_file(path) == b"new text"
+    client.write_file(path, b"+more", append=True)
+    assert client.read_file(path) == b"new text+more"
+    assert sorted(os.listdir(tmp_path)) == ["f.txt"]  # no temporary left behind
+
+
+def test_large_file_round_trip_crosses_several_frames(client, tmp_path):
+    path = str(tmp_path / "big")
+    data = os.urandom(1 << 20) * 40   # 40 MiB: more than one read reply
+    with open(path, "wb") as fh:
+        fh.write(data)
+    assert client.read_file(path) == data
+
+
+def test_stat_list_mkdir_move_remove(client, tmp_path):
+    root = str(tmp_path)
+    client.mkdir(root + "/d/e")
+    client.write_file(root + "/d/f", b"12345")
+    os.symlink("f", root + "/d/link")
+    st = client.stat(root + "/d/f")
+    assert (st.type, st.size, st.name) == ("file", 5, "f")
+    assert client.stat(root + "/d/link").target == "f"
+    assert client.stat(root + "/d/link", follow_symlinks=True).type == "file"
+    names = [(e.name, e.type) for e in client.list_dir(root + "/d")]
+    assert names == [("e", "dir"), ("f", "file"), ("link", "symlink")]
+    client.move(root + "/d/f", root + "/d/e/g")
+    assert client.read_file(root + "/d/e/g") == b"12345"
+    with pytest.raises(DaemonError) as err:
+        client.remove(root + "/d")
+    assert err.value.type == "OSError" and err.value.errno == "ENOTEMPTY"
+    client.remove(root + "/d", recursive=True)
+    assert not os.path.exists(root + "/d")
+    client.remove(root + "/d", missing_ok=True)
+
+
+def test_missing_paths_and_bad_paths_get_clear_errors(client):
+    with pytest.raises(DaemonError) as err:
+        client.read_file("/no/such/file")
+    assert err.value.type == "FileNotFoundError" and err.value.errno == "ENOENT"
+    with pytest.raises(DaemonError, match="non-empty path"):
+        client.stat("")
+    with pytest.raises(DaemonError, match="NUL"):
+        client.stat("/tmp/a\0b")
+    with pytest.raises(DaemonError, match="'path' must be str"):
+        client._call("file_stat", {"path": 5})
+    with pytest.raises(DaemonError, match="must not be negative"):
+        client.read_file("/etc/hostname", offset=-1)
+    with pytest.raises(DaemonError) as err:
+        client.move("/tmp", "/tmp", overwrite=False)
+    assert err.value.type == "FileExistsError"
+
+
+def test_directory_round_trips_as_a_tar_stream(client, tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "x.txt").write_bytes(b"x" * 3000000)
+    (src / "y").write_text("y")
+    os.symlink("y", src / "ylink")
+    tar = client.get_archive(str(src))
+    names = sorted(tarfile.open(fileobj=io.BytesIO(tar)).getnames())
+    assert names == [".", "./sub", "./sub/x.txt", "./y", "./ylink"]
+    assert client.put_archive(str(tmp_path / "dst"), tar) == 5
+    assert (tmp_path / "dst" / "sub" / "x.txt").read_bytes() == b"x" * 3000000
+    assert os.readlink(tmp_path / "dst" / "ylink") == "y"
+
+
+def _tar(members):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name, kind, link", [
+    ("../escape.txt", tarfile.REGTYPE, ""),
+    ("/abs.txt", tarfile.REGTYPE, ""),
+    ("evil-link", tarfile.SYMTYPE, "/etc/passwd"),
+    ("evil-link", tarfile.SYMTYPE, "../../outside"),
+    ("dev", tarfile.CHRTYPE, ""),
+])
+def test_archive_members_may_not_escape_the_target(client, tmp_path, name, kind, link):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    data = b"bad" if kind == tarfile.REGTYPE else None
+    info.size = len(data) if data else 0
+    with pytest.raises(DaemonError) as err:
+        client.put_archive(str(tmp_path / "target"), _tar([(info, data)]))
+    assert err.value.type == "UnsafeArchive"
+    assert not (tmp_path / "escape.txt").exists()

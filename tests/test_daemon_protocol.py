@@ -1,0 +1,196 @@
+"""The wire contract under abuse: every bad input gets a clear error or a closed
+connection, and the daemon keeps serving everyone else."""
+
+import asyncio
+import socket
+import struct
+import time
+
+import msgpack
+import pytest
+
+from sandman_ray import AsyncDaemonClient, AuthError, ConnectionLost, DaemonClient, DaemonError
+from sandman_ray.daemon.sandmand import MAX_FRAME, encode_frame
+from conftest import DaemonProcess, TOKEN
+
+
+def raw_socket(daemon, hello=True):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(daemon.address.split(":", 1)[1])
+    if hello:
+        sock.sendall(encode_frame({"op": "hello", "token": TOKEN, "version": 1, "id": 0}))
+        assert read_frame(sock)["ok"]
+    return sock
+
+
+def read_frame(sock):
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            return None
+        header += chunk
+    (n,) = struct.unpack(">I", header)
+    body = b""
+    while len(body) < n:
+        body += sock.recv(n - len(body))
+    return msgpack.unpackb(body, raw=False)
+
+
+def closed_after_error(sock):
+    """The daemon's last word before closing, or None if it closed silently."""
+    reply = read_frame(sock)
+    assert read_frame(sock) is None, "the connection should be closed"
+    return reply
+
+
+@pytest.fixture(autouse=True)
+def daemon_still_serves(daemon):
+    yield
+    with daemon.client() as c:
+        assert c.exec("echo still here").stdout == b"still here\n"
+
+
+def test_ping_and_info(client):
+    assert client.ping() is None
+    info = client.info()
+    assert info["protocol"] == 1 and info["pid"] > 0 and "rlimits" in info["limits"]
+    assert "nofile" in info["limits"]["rlimits"]
+
+
+def test_wrong_token_is_refused(daemon):
+    with pytest.raises(AuthError, match="wrong token"):
+        DaemonClient(daemon.address, "not-the-token")
+
+
+def test_first_frame_must_be_hello(daemon):
+    sock = raw_socket(daemon, hello=False)
+    sock.sendall(encode_frame({"op": "ping", "id": 1}))
+    assert closed_after_error(sock)["error"]["type"] == "AuthError"
+
+
+def test_wrong_protocol_version_is_refused(daemon):
+    sock = raw_socket(daemon, hello=False)
+    sock.sendall(encode_frame({"op": "hello", "token": TOKEN, "version": 99, "id": 0}))
+    assert "version" in closed_after_error(sock)["error"]["message"]
+
+
+def test_silent_connection_is_closed_after_the_hello_timeout(daemon):
+    sock = raw_socket(daemon, hello=False)
+    started = time.monotonic()
+    assert "no hello" in closed_after_error(sock)["error"]["message"]
+    assert time.monotonic() - started < 5  # the fixture's daemon allows 1 s
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x00\x00\x00\x03\xc1\xc1\xc1",                 # undecodable body
+    b"\x00\x00\x00\x01\x05",                         # a frame that is not a map
+    struct.pack(">I", MAX_FRAME + 1) + b"x" * 16,    # length over the limit
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",            # someone else's protocol
+])
+def test_garbage_closes_the_connection_with_a_protocol_error(daemon, payload):
+    sock = raw_socket(daemon)
+    sock.sendall(payload)
+    reply = closed_after_error(sock)
+    assert reply["id"] is None and reply["error"]["type"] == "ProtocolError"
+
+
+def test_truncated_frame_then_disconnect_leaves_the_daemon_serving(daemon):
+    sock = raw_socket(daemon)
+    sock.sendall(struct.pack(">I", 1000) + b"\x81\xa2op")
+    sock.close()
+
+
+def test_unknown_op_and_bad_ids_get_errors_and_the_connection_stays(daemon):
+    sock = raw_socket(daemon)
+    sock.sendall(encode_frame({"op": "launch-missiles", "id": 7}))
+    reply = read_frame(sock)
+    assert reply["id"] == 7 and reply["error"]["type"] == "UnknownOp"
+    sock.sendall(encode_frame({"op": "ping", "id": "seven"}))
+    assert read_frame(sock)["error"]["type"] == "BadRequest"
+    sock.sendall(encode_frame({"op": "ping", "id": 8}))
+    assert read_frame(sock) == {"id": 8, "ok": True, "result": None}
+
+
+def test_wrong_field_types_name_the_field(client):
+    cases = [("exec", {"cmd": 5}, "'cmd' must be str or list"),
+             ("exec", {"cmd": "true", "stream": "yes"}, "'stream' must be bool"),
+             ("session_run", {"cmd": ["ls"]}, "'cmd' must be str"),
+             ("file_read", {"path": "/etc/hostname", "length": 1.5}, "'length' must be int"),
+             ("proc_status", {"pid": True}, "'pid' must be int, got bool"),
+             ("exec", {"cmd": "true", "max_output": 1 << 40}, "'max_output' must be in")]
+    for op, fields, message in cases:
+        with pytest.raises(DaemonError, match=message):
+            client._call(op, dict(fields))
+
+
+def test_hundred_concurrent_requests_on_one_connection(daemon):
+    async def main():
+        c = await AsyncDaemonClient.connect(daemon.address, daemon.token)
+        try:
+            calls = []
+            for i in range(100):
+                calls.append(c.exec("sleep 0.2; echo %d" % i) if i % 2 else c.ping())
+            started = time.monotonic()
+            results = await asyncio.gather(*calls)
+            return results, time.monotonic() - started
+        finally:
+            c.close()
+    results, elapsed = asyncio.run(main())
+    assert [r.stdout for r in results[1::2]] == [b"%d\n" % i for i in range(1, 100, 2)]
+    assert elapsed < 10  # in flight together, not 50 x 0.2 s in a row
+
+
+def test_a_stalled_client_does_not_block_others(daemon):
+    stalled = raw_socket(daemon)
+    for i in range(20):  # asks for 20 x 8 MiB and never reads the replies
+        stalled.sendall(encode_frame({"op": "exec", "id": 100 + i,
+                                      "cmd": "head -c 8000000 /dev/zero",
+                                      "max_output": 8000000}))
+    with daemon.client() as other:
+        for _ in range(20):
+            assert other.exec("echo ok").stdout == b"ok\n"
+    stalled.close()
+
+
+def test_client_side_timeout_and_connection_loss_are_typed(tmp_path):
+    d = DaemonProcess("unix:%s/t.sock" % tmp_path)
+    try:
+        c = d.client()
+        from sandman_ray import CallTimeout
+        with pytest.raises(CallTimeout):
+            c._call("exec", {"cmd": "sleep 5"}, timeout=0.2)
+        assert c.exec("echo next").stdout == b"next\n"  # the late reply is skipped
+        d.proc.kill()
+        d.proc.wait()
+        with pytest.raises(ConnectionLost):
+            c.exec("true")
+    finally:
+        d.stop()
+
+
+def test_shutdown_stops_children_and_removes_the_socket(tmp_path):
+    import os
+    from conftest import processes_matching
+    d = DaemonProcess("unix:%s/s.sock" % tmp_path)
+    c = d.client()
+    c.spawn("sleep 61.75")
+    c.run("sleep 62.75 &")
+    c.shutdown(kill_grace_s=1)
+    assert d.proc.wait(10) == 0
+    assert processes_matching("sleep 61.75") == [] and processes_matching("sleep 62.75") == []
+    assert not os.path.exists(str(tmp_path / "s.sock"))
+    d.stop()
+
+
+def test_sigterm_stops_the_daemon_and_its_children(tmp_path):
+    import signal
+    from conftest import processes_matching
+    d = DaemonProcess("unix:%s/s.sock" % tmp_path)
+    c = d.client()
+    c.spawn("sleep 63.75")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0
+    assert processes_matching("sleep 63.75") == []
+    d.stop()

@@ -7,7 +7,8 @@ In one run, p50/p99 (ms) of:
   session true ``true`` in a persistent shell session
 for each daemon: the daemon as a host process over a unix socket and over TCP loopback,
 and the self-contained bundle inside a bubblewrap sandbox of the host's root filesystem
-(the same /bin/true as the floor). Samples are taken in interleaved rounds so that
+(the same /bin/true as the floor). The floor and every daemon use the same small
+environment, as in a sandbox. Samples are taken in interleaved rounds so that
 drift on a busy machine hits every row alike. Prints a table and one JSON line.
 
     python bench/noop.py [--samples 2000] [--rounds 10]
@@ -29,10 +30,14 @@ from sandman_ray.providers.bwrap import BwrapSandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMON = ROOT / "daemon" / "sandmand.py"
+# Every daemon and the floor get the environment a sandbox gets (the size of the
+# environment and the length of PATH change the cost of a spawn).
+SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "HOME": "/root", "LANG": "C.UTF-8"}
 
 
 def floor() -> None:
-    pid = os.posix_spawn("/bin/true", ["true"], os.environ)
+    pid = os.posix_spawn("/bin/true", ["true"], SANDBOX_ENV)
     os.waitpid(pid, 0)
 
 
@@ -40,7 +45,7 @@ def start_host_daemon(listen: str, token: str):
     ready_r, ready_w = os.pipe()
     proc = subprocess.Popen([sys.executable, str(DAEMON), "--listen", listen,
                              "--ready-fd", str(ready_w)], pass_fds=(ready_w,),
-                            env=dict(os.environ, SANDMAN_TOKEN=token))
+                            env=dict(SANDBOX_ENV, SANDMAN_TOKEN=token))
     os.close(ready_w)
     with os.fdopen(ready_r) as fh:
         address = fh.readline().strip()
@@ -72,7 +77,7 @@ def main() -> None:
         clients["host daemon, tcp"] = DaemonClient(tcp_addr, token)
         bundle = ensure_bundle(ROOT / ".cache" / "bundle")
         sandbox = BwrapSandbox(Path("/"), bundle, tmp / "sbx", hostname="bench",
-                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+                               env=SANDBOX_ENV)
         sandbox_token = sandbox.token
         clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
 

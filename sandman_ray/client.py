@@ -376,6 +376,10 @@ class DaemonClient(_Operations):
         self._ids = itertools.count(1)
         self._reader = FrameReader(MAX_FRAME)
         self._frames: List[bytes] = []
+        # one receive buffer for the connection's life: a fresh 1 MiB bytes object per
+        # recv costs an allocation (and page faults) on every reply
+        self._recv_buf = bytearray(1 << 20)
+        self._recv_view = memoryview(self._recv_buf)
         self._timeout: Optional[float] = connect_timeout
         family, where = _parse_address(address)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -458,9 +462,10 @@ class DaemonClient(_Operations):
             else:
                 self._set_timeout(None)
             try:
-                data = self._sock.recv(1 << 20)
+                n = self._sock.recv_into(self._recv_buf)
             except socket.timeout:
                 continue
+            data = self._recv_view[:n].tobytes()
             if not data:
                 raise ConnectionLost("daemon at %s closed the connection during %s"
                                      % (self.address, op))

@@ -105,7 +105,7 @@ def bundle():
 
 @pytest.fixture(scope="session")
 def busybox_rootfs():
-    from sandman_ray.images import build_busybox_rootfs
+    from sandman_ray.image_builders import build_busybox_rootfs
     return build_busybox_rootfs(CACHE / "images" / "busybox")
 
 

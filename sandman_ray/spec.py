@@ -1,0 +1,94 @@
+"""What a sandbox should be: plain dataclasses, validated on construction."""
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
+
+_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+          "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
+
+
+def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[int]:
+    """``512Mi``, ``1G``, ``1.5Gi`` or an int of bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("%s must be bytes or a size such as '512Mi', not %r" % (what, value))
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", str(value), re.I)
+        if not match:
+            raise ValueError("%s must be bytes or a size such as '512Mi', not %r" % (what, value))
+        number = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if number <= 0:
+        raise ValueError("%s must be positive, got %r" % (what, value))
+    return number
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """A sandbox to acquire.
+
+    image: what to run: ``host`` (a read-only view of this machine), ``dir:/rootfs``,
+        ``oci:/layout[:tag]``, ``docker-archive:/image.tar``, or a registry reference
+        such as ``docker.io/library/python:3.12`` (needs skopeo and umoci).
+    cpu: CPU cores the sandbox may use (a quota; None: no limit).
+    memory: memory limit, bytes or a size such as ``"512Mi"`` (None: no limit).
+    pids: most processes at once (None: no limit).
+    env: variables set for the daemon and every command, over the image's own.
+    workdir: the working directory of commands (default: the image's, else ``/``).
+    network: False gives the sandbox only a loopback interface; True shares the host's.
+    user: ``"uid[:gid]"`` the daemon and its commands run as (default: the image's
+        user, else root inside the sandbox).
+    ttl_s: the sandbox is reclaimed this long after it was leased (None: never).
+    idle_timeout_s: reclaimed after this long without a command (None: never).
+    labels: free-form key/value pairs attached to the sandbox (listing, ownership).
+    """
+
+    image: str = "host"
+    cpu: Optional[float] = None
+    memory: Optional[Union[int, str]] = None
+    pids: Optional[int] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    workdir: Optional[str] = None
+    network: bool = False
+    user: Optional[str] = None
+    ttl_s: Optional[float] = None
+    idle_timeout_s: Optional[float] = None
+    labels: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise ValueError("SandboxSpec.image must be a non-empty string, got %r" % (self.image,))
+        if self.cpu is not None and (isinstance(self.cpu, bool) or not self.cpu > 0):
+            raise ValueError("SandboxSpec.cpu must be a positive number of cores, got %r" % (self.cpu,))
+        object.__setattr__(self, "memory", parse_bytes(self.memory, "SandboxSpec.memory"))
+        if self.pids is not None and (isinstance(self.pids, bool) or not isinstance(self.pids, int)
+                                      or self.pids < 1):
+            raise ValueError("SandboxSpec.pids must be a positive int, got %r" % (self.pids,))
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+                raise ValueError("SandboxSpec.env must map names to strings, got %r=%r" % (key, value))
+        if self.workdir is not None and not str(self.workdir).startswith("/"):
+            raise ValueError("SandboxSpec.workdir must be absolute, got %r" % (self.workdir,))
+        if self.user is not None and not re.fullmatch(r"[0-9]+(:[0-9]+)?", str(self.user)):
+            raise ValueError("SandboxSpec.user must be 'uid' or 'uid:gid', got %r" % (self.user,))
+        for name in ("ttl_s", "idle_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError("SandboxSpec.%s must be positive seconds, got %r" % (name, value))
+        for key, value in self.labels.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ValueError("SandboxSpec.labels must map strings to strings, got %r=%r"
+                                 % (key, value))
+
+    @classmethod
+    def of(cls, spec: Union["SandboxSpec", str]) -> "SandboxSpec":
+        """A spec from a spec or an image string."""
+        return spec if isinstance(spec, SandboxSpec) else cls(image=spec)
+
+    def key(self) -> tuple:
+        """What makes two sandboxes interchangeable (warm pools are kept per key)."""
+        return (self.image, self.cpu, self.memory, self.pids, tuple(sorted(self.env.items())),
+                self.workdir, self.network, self.user)

@@ -11,21 +11,24 @@ Usage::
     sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT
                 [--token-file FILE]     (else the SANDMAN_TOKEN environment variable)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
-                [--hello-timeout SECONDS]
+                [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
+
+--user drops to that uid/gid once listening (the socket is handed to it too);
+--limits records the limits the launcher applied, reported by ``info``.
 
 The client side (``sandman_ray.client``) imports this module for its frame constants
 and its codec, so both ends share one definition of the wire format.
 """
 
-import asyncio
 import errno
 import os
-import signal
-import socket
 import stat
 import struct
 import sys
 import time
+
+import _signal as signal  # the C module: signal.py would import enum (~10 ms)
+import _socket            # likewise socket.py
 
 try:  # the C extension when the image (or the client) has it; the bundle does not
     import msgpack as _msgpack
@@ -51,7 +54,8 @@ MAX_FINISHED_PROCS = 256              # exited background processes remembered
 CHUNK = 1024 * 1024                   # tar stream chunk size
 _HEADER = struct.Struct(">I")
 # stdlib modules imported on first use; the bundle builder packs these too
-LAZY_IMPORTS = ("resource", "subprocess", "shutil", "tarfile", "io")
+LAZY_IMPORTS = ("resource", "subprocess", "shutil", "tarfile", "io", "threading", "heapq",
+                "collections", "select")
 
 
 # --------------------------------------------------------------------------- codec
@@ -383,6 +387,405 @@ def env_field(req, base):
     return env
 
 
+# --------------------------------------------------------------------------- event loop
+# A small event loop of our own instead of asyncio: importing asyncio costs ~140 ms of
+# CPU on a small machine (concurrent.futures, logging, inspect ...), paid by every
+# sandbox start and reset; this loop and the C modules it uses import in ~5 ms.
+class CancelledError(BaseException):
+    """A task was cancelled (its connection closed)."""
+
+
+class Timeout(Exception):
+    """wait_for ran out of time."""
+
+
+class Future:
+    """A result that arrives later; ``await`` it inside a Task."""
+
+    __slots__ = ("loop", "_state", "_value", "_callbacks")
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._state = 0  # 0 pending, 1 result, 2 exception
+        self._value = None
+        self._callbacks = []
+
+    def done(self):
+        return self._state != 0
+
+    def result(self):
+        if self._state == 2:
+            raise self._value
+        if self._state == 0:
+            raise RuntimeError("future is not done")
+        return self._value
+
+    def exception(self):
+        return self._value if self._state == 2 else None
+
+    def set_result(self, value):
+        self._settle(1, value)
+
+    def set_exception(self, exc):
+        self._settle(2, exc)
+
+    def _settle(self, state, value):
+        if self._state:
+            raise RuntimeError("future already done")
+        self._state, self._value = state, value
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            self.loop.call_soon(callback, self)
+
+    def add_done_callback(self, callback):
+        if self._state:
+            self.loop.call_soon(callback, self)
+        else:
+            self._callbacks.append(callback)
+
+    def remove_done_callback(self, callback):
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def __await__(self):
+        if not self._state:
+            yield self
+        return self.result()
+
+    __iter__ = __await__
+
+
+class Task(Future):
+    """Runs a coroutine: each ``await`` of a pending Future suspends it until the
+    Future is done. Cancelling throws CancelledError at the ``await``; the awaited
+    Future itself is left alone (others may wait on it too)."""
+
+    __slots__ = ("coro", "waiting")
+
+    def __init__(self, loop, coro):
+        Future.__init__(self, loop)
+        self.coro = coro
+        self.waiting = None
+        loop.call_soon(self._step, None, None)
+
+    def _step(self, value, exc):
+        if self._state:
+            return
+        try:
+            fut = self.coro.throw(exc) if exc is not None else self.coro.send(value)
+        except StopIteration as stop:
+            self.set_result(stop.value)
+        except BaseException as error:  # CancelledError included: the task is done
+            self.set_exception(error)
+        else:
+            self.waiting = fut
+            fut.add_done_callback(self._wakeup)
+
+    def _wakeup(self, fut):
+        if fut is not self.waiting:
+            return
+        self.waiting = None
+        if fut._state == 2:
+            self._step(None, fut._value)
+        else:
+            self._step(fut._value, None)
+
+    def cancel(self):
+        if self._state:
+            return
+        if self.waiting is not None:
+            self.waiting.remove_done_callback(self._wakeup)
+            self.waiting = None
+        self.loop.call_soon(self._step, None, CancelledError())
+
+
+class _Timer:
+    __slots__ = ("when", "seq", "callback", "args", "cancelled")
+
+    def __init__(self, when, seq, callback, args):
+        self.when, self.seq, self.callback, self.args = when, seq, callback, args
+        self.cancelled = False
+
+    def __lt__(self, other):
+        return (self.when, self.seq) < (other.when, other.seq)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Loop:
+    """epoll readiness, timers, callbacks, signals and calls from threads."""
+
+    def __init__(self):
+        import select
+        from collections import deque
+        self.select = select
+        self.epoll = select.epoll()
+        self.readers, self.writers, self.masks = {}, {}, {}
+        self.ready = deque()
+        self.timers = []
+        self.seq = 0
+        self.signal_handlers = {}
+        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.add_reader(self.wake_r, self._woken)
+
+    # fds
+    def _update(self, fd):
+        mask = (self.select.EPOLLIN if fd in self.readers else 0) | \
+               (self.select.EPOLLOUT if fd in self.writers else 0)
+        old = self.masks.get(fd, 0)
+        if mask == old:
+            return
+        if not mask:
+            del self.masks[fd]
+            try:
+                self.epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+        elif old:
+            self.masks[fd] = mask
+            self.epoll.modify(fd, mask)
+        else:
+            self.masks[fd] = mask
+            self.epoll.register(fd, mask)
+
+    def add_reader(self, fd, callback, *args):
+        self.readers[fd] = (callback, args)
+        self._update(fd)
+
+    def remove_reader(self, fd):
+        if self.readers.pop(fd, None) is not None:
+            self._update(fd)
+
+    def add_writer(self, fd, callback, *args):
+        self.writers[fd] = (callback, args)
+        self._update(fd)
+
+    def remove_writer(self, fd):
+        if self.writers.pop(fd, None) is not None:
+            self._update(fd)
+
+    # callbacks
+    def call_soon(self, callback, *args):
+        self.ready.append((callback, args))
+
+    def call_soon_threadsafe(self, callback, *args):
+        self.ready.append((callback, args))  # deque.append is atomic
+        try:
+            os.write(self.wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def call_later(self, delay, callback, *args):
+        import heapq
+        self.seq += 1
+        timer = _Timer(time.monotonic() + delay, self.seq, callback, args)
+        heapq.heappush(self.timers, timer)
+        return timer
+
+    def create_future(self):
+        return Future(self)
+
+    def create_task(self, coro):
+        return Task(self, coro)
+
+    def run_in_executor(self, _executor, fn, *args):
+        """Run a blocking ``fn`` in a thread; the Future settles on the loop."""
+        import threading
+        fut = self.create_future()
+
+        def work():
+            try:
+                value = fn(*args)
+            except BaseException as exc:
+                self.call_soon_threadsafe(_settle, fut, 2, exc)
+            else:
+                self.call_soon_threadsafe(_settle, fut, 1, value)
+        threading.Thread(target=work, daemon=True).start()
+        return fut
+
+    # signals
+    def add_signal_handler(self, sig, callback, *args):
+        import _signal
+        self.signal_handlers[sig] = (callback, args)
+        _signal.signal(sig, _ignore_signal)
+        _signal.set_wakeup_fd(self.wake_w)
+
+    def _woken(self):
+        try:
+            data = os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            return
+        for sig in set(data):
+            handler = self.signal_handlers.get(sig)
+            if handler is not None:
+                self.call_soon(handler[0], *handler[1])
+
+    # running
+    def run_until(self, fut):
+        import heapq
+        ready, timers = self.ready, self.timers
+        while not fut.done():
+            if ready:
+                timeout = 0
+            elif timers:
+                timeout = max(0.0, timers[0].when - time.monotonic())
+            else:
+                timeout = -1
+            try:
+                events = self.epoll.poll(timeout)
+            except InterruptedError:
+                events = ()
+            for fd, mask in events:
+                if mask & (self.select.EPOLLIN | self.select.EPOLLHUP | self.select.EPOLLERR):
+                    handler = self.readers.get(fd)
+                    if handler is not None:
+                        ready.append(handler)
+                if mask & (self.select.EPOLLOUT | self.select.EPOLLHUP | self.select.EPOLLERR):
+                    handler = self.writers.get(fd)
+                    if handler is not None:
+                        ready.append(handler)
+            if timers:
+                now = time.monotonic()
+                while timers and timers[0].when <= now:
+                    timer = heapq.heappop(timers)
+                    if not timer.cancelled:
+                        ready.append((timer.callback, timer.args))
+            for _ in range(len(ready)):
+                callback, args = ready.popleft()
+                try:
+                    callback(*args)
+                except Exception as exc:  # a bug in one callback must not stop the daemon
+                    _log("callback %r failed: %s: %s" % (callback, type(exc).__name__, exc))
+        return fut.result()
+
+
+def _resolve_once(fut):
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _settle(fut, state, value):
+    if not fut.done():
+        fut._settle(state, value)
+
+
+def _log(message):
+    try:
+        os.write(2, ("sandmand: %s\n" % message).encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _ignore_signal(signum, frame):
+    pass  # the wake-up fd carries the signal to the loop
+
+
+def wait_for(loop, fut, timeout):
+    """A Future of ``fut``'s result, or Timeout after ``timeout`` seconds (None: no
+    limit). ``fut`` is not cancelled on timeout."""
+    if timeout is None:
+        return fut
+    out = loop.create_future()
+
+    def done(f):
+        if not out.done():
+            timer.cancel()
+            out._settle(f._state, f._value)
+
+    def expire():
+        if not out.done():
+            fut.remove_done_callback(done)
+            out.set_exception(Timeout())
+    timer = loop.call_later(timeout, expire)
+    fut.add_done_callback(done)
+    return out
+
+
+def wait_all(loop, futs, timeout):
+    """A Future that resolves (to None) when every future is done or after
+    ``timeout`` seconds, whichever comes first."""
+    out = loop.create_future()
+    pending = [f for f in futs if not f.done()]
+    if not pending:
+        out.set_result(None)
+        return out
+    count = [len(pending)]
+
+    def one(_f):
+        count[0] -= 1
+        if count[0] == 0 and not out.done():
+            timer.cancel()
+            out.set_result(None)
+    timer = loop.call_later(timeout, lambda: out.done() or out.set_result(None))
+    for f in pending:
+        f.add_done_callback(one)
+    return out
+
+
+class Event:
+    """Set once or more; ``wait()`` is a Future done when the event is set."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.flag = False
+        self.waiters = []
+
+    def is_set(self):
+        return self.flag
+
+    def set(self):
+        self.flag = True
+        waiters, self.waiters = self.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(True)
+
+    def clear(self):
+        self.flag = False
+
+    def wait(self):
+        fut = self.loop.create_future()
+        if self.flag:
+            fut.set_result(True)
+        else:
+            self.waiters.append(fut)
+        return fut
+
+
+class Lock:
+    """First come, first served; ``async with lock``."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.held = False
+        self.waiters = []
+
+    async def __aenter__(self):
+        if not self.held:
+            self.held = True
+            return
+        fut = self.loop.create_future()
+        self.waiters.append(fut)
+        try:
+            await fut
+        except CancelledError:
+            if fut.done():
+                self._release()  # it was handed to us as we were cancelled
+            else:
+                self.waiters.remove(fut)
+            raise
+
+    async def __aexit__(self, *exc):
+        self._release()
+
+    def _release(self):
+        if self.waiters:
+            self.waiters.pop(0).set_result(None)  # the lock passes on, still held
+        else:
+            self.held = False
+
+
 # --------------------------------------------------------------------------- processes
 def _exit_code(status):
     """(exit code shell-style, signal number or None) from a waitpid status."""
@@ -477,34 +880,6 @@ def plain_argv(cmd):
     return argv
 
 
-class FdWatcher:
-    """Readiness of child pipes and pidfds, on an epoll of our own that the event loop
-    watches as one fd. Registering a fd is then one epoll_ctl, not an asyncio reader
-    (a handle, a selector key, a context): on a command that lives 0.6 ms, asyncio's
-    six reader calls per exec cost as much as everything else the daemon does."""
-
-    def __init__(self, loop):
-        import select
-        self.epoll = select.epoll()
-        self.flags = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-        self.callbacks = {}
-        loop.add_reader(self.epoll.fileno(), self._ready)
-
-    def add(self, fd, callback):
-        self.epoll.register(fd, self.flags)
-        self.callbacks[fd] = callback
-
-    def remove(self, fd):
-        if self.callbacks.pop(fd, None) is not None:
-            self.epoll.unregister(fd)
-
-    def _ready(self):
-        for fd, _ in self.epoll.poll(0):
-            callback = self.callbacks.get(fd)
-            if callback is not None:
-                callback()
-
-
 class Children:
     """Knows when each child we started exits. A pidfd per child (Linux 5.3+, Python
     3.9+) reports the exit in the same loop iteration; SIGCHLD with waitpid(-1) reaps
@@ -512,9 +887,8 @@ class Children:
     ``watch(pid, callback)``: the callback gets the wait status synchronously, before the
     future resolves, so a reply can be sent without another loop iteration."""
 
-    def __init__(self, loop, watcher):
+    def __init__(self, loop):
         self.loop = loop
-        self.watcher = watcher
         self.waiting = {}   # pid -> future of its wait status
         self.callbacks = {}
         self.pidfds = {}
@@ -530,7 +904,7 @@ class Children:
             except OSError:
                 return fut
             self.pidfds[pid] = fd
-            self.watcher.add(fd, lambda: self._pidfd_ready(pid))
+            self.loop.add_reader(fd, self._pidfd_ready, pid)
         return fut
 
     def _pidfd_ready(self, pid):
@@ -556,7 +930,7 @@ class Children:
     def _resolve(self, pid, status):
         fd = self.pidfds.pop(pid, None)
         if fd is not None:
-            self.watcher.remove(fd)
+            self.loop.remove_reader(fd)
             os.close(fd)
         fut = self.waiting.pop(pid, None)
         callback = self.callbacks.pop(pid, None)
@@ -664,13 +1038,13 @@ class Ring:
 class PipeReader:
     """Reads a non-blocking pipe and hands each chunk to ``sink``."""
 
-    __slots__ = ("watcher", "fd", "sink", "closed")
+    __slots__ = ("loop", "fd", "sink", "closed")
 
-    def __init__(self, watcher, fd, sink):
-        self.watcher, self.fd, self.sink = watcher, fd, sink
+    def __init__(self, loop, fd, sink):
+        self.loop, self.fd, self.sink = loop, fd, sink
         self.closed = False
         os.set_blocking(fd, False)
-        watcher.add(fd, self._ready)
+        loop.add_reader(fd, self._ready)
 
     def _ready(self):
         try:
@@ -703,7 +1077,7 @@ class PipeReader:
     def close(self):
         if not self.closed:
             self.closed = True
-            self.watcher.remove(self.fd)
+            self.loop.remove_reader(self.fd)
             os.close(self.fd)
 
 
@@ -719,7 +1093,7 @@ async def write_all(loop, fd, data):
                 view = view[n:]
             except BlockingIOError:
                 ready = loop.create_future()
-                loop.add_writer(fd, ready.set_result, None)
+                loop.add_writer(fd, _resolve_once, ready)
                 try:
                     await ready
                 finally:
@@ -752,13 +1126,15 @@ class Daemon:
         self.socket_path = None
         self.stopping = None
         self.connections = set()
+        self.applied_limits = {}
+        self.user = None  # (uid, gid) to drop to once listening
 
     # ---- lifecycle
-    async def serve(self, listen, ready_fd):
-        self.loop = asyncio.get_running_loop()
+    def run(self, listen, ready_fd):
+        """Serve until shutdown, SIGTERM or SIGINT; then stop every process."""
+        self.loop = Loop()
         self.stopping = self.loop.create_future()
-        self.watcher = FdWatcher(self.loop)
-        self.children = Children(self.loop, self.watcher)
+        self.children = Children(self.loop)
         if os.getpid() == 1 or not _HAS_PIDFD:
             # As PID 1 we must reap orphans; without pidfds SIGCHLD is how we learn of
             # exits. Otherwise each child's pidfd suffices, and skipping SIGCHLD saves
@@ -767,35 +1143,67 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.request_stop, 0.5)
         self.children.reap()  # anything that exited before the handler was installed
-        address = await self._listen(listen)
+        address = self._listen(listen)
+        if self.user is not None:
+            self._drop_privileges()
         if ready_fd is not None:
             os.write(ready_fd, (address + "\n").encode())
             os.close(ready_fd)
-        await self.stopping
-        await self._stop_everything()
+        self.loop.run_until(self.stopping)
+        self.loop.run_until(self.loop.create_task(self._stop_everything()))
 
-    async def _listen(self, listen):
+    def _listen(self, listen):
         kind, _, where = listen.partition(":")
-        factory = lambda: Connection(self)  # noqa: E731
         if kind == "unix":
             try:
                 os.unlink(where)
             except FileNotFoundError:
                 pass
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
             old = os.umask(0o077)  # the socket is born 0600: only its owner may connect
             try:
-                self.server = await self.loop.create_unix_server(factory, where)
+                sock.bind(where)
             finally:
                 os.umask(old)
             os.chmod(where, 0o600)
             self.socket_path = where
-            return "unix:" + where
-        if kind == "tcp":
+            address = "unix:" + where
+        elif kind == "tcp":
             host, _, port = where.rpartition(":")
-            self.server = await self.loop.create_server(factory, host or "127.0.0.1", int(port))
-            sockname = self.server.sockets[0].getsockname()
-            return "tcp:%s:%d" % (sockname[0], sockname[1])
-        raise SystemExit("sandmand: --listen must be unix:PATH or tcp:HOST:PORT, got %r" % listen)
+            sock = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            sock.bind((host or "127.0.0.1", int(port)))
+            bound = sock.getsockname()
+            address = "tcp:%s:%d" % (bound[0], bound[1])
+        else:
+            raise SystemExit("sandmand: --listen must be unix:PATH or tcp:HOST:PORT, got %r" % listen)
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.server = sock
+        self.tcp = kind == "tcp"
+        self.loop.add_reader(sock.fileno(), self._accept)
+        return address
+
+    def _accept(self):
+        while True:
+            try:
+                fd, _ = self.server._accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # out of fds, or the client already left
+            sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
+            if self.tcp:
+                sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+            Connection(self, sock)
+
+    def _drop_privileges(self):
+        uid, gid = self.user
+        if self.socket_path is not None:
+            os.chown(self.socket_path, uid, gid)
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
 
     def request_stop(self, grace_s):
         if not self.stopping.done():
@@ -803,9 +1211,10 @@ class Daemon:
 
     async def _stop_everything(self):
         grace = self.stopping.result()
+        self.loop.remove_reader(self.server.fileno())
         self.server.close()
         for conn in list(self.connections):
-            conn.transport.close()
+            conn.close()
         pids = [s.pid for s in self.sessions.values() if s.alive]
         pids += [p.pid for p in self.procs.values() if p.running]
         pids += list(self.children.waiting)
@@ -829,7 +1238,7 @@ class Daemon:
         trees = {pid: signal_tree(pid, signal.SIGTERM, alive=pid in waiting) for pid in pids}
         pending = [waiting[p] for p in pids if p in waiting]
         if pending:
-            await asyncio.wait(pending, timeout=grace_s)
+            await wait_all(self.loop, pending, grace_s)
         for pid, tree in trees.items():
             for target in tree:
                 try:
@@ -848,11 +1257,11 @@ class Daemon:
             "uptime_s": time.time() - self.started,
             "python": sys.version.split()[0],
             "os_release": read_os_release(),
-            "hostname": socket.gethostname(),
+            "hostname": _socket.gethostname(),
             "uid": os.getuid(), "gid": os.getgid(),
             "workdir": self.workdir,
             "cpu_count": os.cpu_count(),
-            "limits": read_limits(),
+            "limits": dict(read_limits(), applied=self.applied_limits),
             "sessions": sorted(self.sessions),
             "processes": sum(1 for p in self.procs.values() if p.running),
             "protocol": PROTOCOL_VERSION,
@@ -928,8 +1337,7 @@ class Daemon:
                 if fd != self.devnull:
                     os.close(fd)
         self.children.watch(pid, on_exit)
-        readers = [PipeReader(self.watcher, out_r, out_sink),
-                   PipeReader(self.watcher, err_r, err_sink)]
+        readers = [PipeReader(self.loop, out_r, out_sink), PipeReader(self.loop, err_r, err_sink)]
         return pid, readers, in_w
 
     # ---- sessions
@@ -982,7 +1390,7 @@ class Daemon:
         ring = int(number_field(req, "buffer_bytes", PROC_RING_BYTES, 1, MAX_STREAM_CAP))
         if sum(1 for p in self.procs.values() if p.running) >= 4096:
             raise RequestError("LimitExceeded", "4096 background processes are running")
-        proc = Process(cmd, ring)
+        proc = Process(cmd, ring, self.loop)
         proc.pid, readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
                                                          proc.out.add, proc.err.add)
         if stdin:
@@ -1030,8 +1438,8 @@ class Daemon:
         proc = self._proc(req)
         timeout = number_field(req, "timeout", None)
         try:
-            await asyncio.wait_for(proc.done.wait(), timeout)
-        except asyncio.TimeoutError:
+            await wait_for(self.loop, proc.done.wait(), timeout)
+        except Timeout:
             pass
         status = proc.status()
         status["timed_out"] = proc.running
@@ -1241,7 +1649,7 @@ class Session:
 
     def __init__(self, daemon, name, shell, env, cwd):
         self.daemon, self.name, self.shell = daemon, name, shell
-        self.lock = asyncio.Lock()
+        self.lock = Lock(daemon.loop)
         self.exit_code = None
         self.current = None
         in_r, self.stdin = cloexec_pipe()
@@ -1260,8 +1668,8 @@ class Session:
                 os.close(fd)
         self.exited = daemon.children.watch(self.pid)
         self.exited.add_done_callback(self._on_exit)
-        self.readers = [PipeReader(daemon.watcher, out_r, lambda c: self._feed(0, c)),
-                        PipeReader(daemon.watcher, err_r, lambda c: self._feed(1, c))]
+        self.readers = [PipeReader(daemon.loop, out_r, lambda c: self._feed(0, c)),
+                        PipeReader(daemon.loop, err_r, lambda c: self._feed(1, c))]
 
     @property
     def alive(self):
@@ -1295,11 +1703,8 @@ class Session:
             await write_some(self.daemon.loop, self.stdin, script.encode())
             timed_out = False
             try:
-                if timeout is None:
-                    finished = await run.finished
-                else:
-                    finished = await asyncio.wait_for(asyncio.shield(run.finished), timeout)
-            except asyncio.TimeoutError:
+                finished = await wait_for(self.daemon.loop, run.finished, timeout)
+            except Timeout:
                 timed_out = True
                 finished = await self._interrupt(run, grace)
             finally:
@@ -1321,8 +1726,8 @@ class Session:
                     os.kill(pid, sig)
                 except OSError:
                     pass
-            done, _ = await asyncio.wait([run.finished], timeout=grace)
-            if done:
+            await wait_all(self.daemon.loop, [run.finished], grace)
+            if run.finished.done():
                 return run.finished.result()
         await self.daemon.terminate([self.pid], 0)
         await self.exited
@@ -1383,7 +1788,7 @@ class _SessionCommand:
 class Process:
     """A background process started by ``spawn``; output kept in ring buffers."""
 
-    def __init__(self, cmd, ring_bytes):
+    def __init__(self, cmd, ring_bytes, loop):
         self.cmd = cmd
         self.pid = None
         self.out, self.err = Ring(ring_bytes), Ring(ring_bytes)
@@ -1391,7 +1796,7 @@ class Process:
         self.ended = None
         self.exit_code = None
         self.signal = None
-        self.done = asyncio.Event()
+        self.done = Event(loop)
 
     @property
     def running(self):
@@ -1413,7 +1818,7 @@ async def write_some(loop, fd, data):
             view = view[os.write(fd, view):]
         except BlockingIOError:
             ready = loop.create_future()
-            loop.add_writer(fd, ready.set_result, None)
+            loop.add_writer(fd, _resolve_once, ready)
             try:
                 await ready
             finally:
@@ -1498,11 +1903,15 @@ class _EventWriter:
             del self.buf[:]
 
     def _emit(self, chunk):
-        asyncio.run_coroutine_threadsafe(self._send(chunk), self.loop).result()
+        import threading
+        queued = threading.Event()
+        self.loop.call_soon_threadsafe(self._send, chunk, queued)
+        queued.wait()
 
-    async def _send(self, chunk):
+    def _send(self, chunk, queued):
+        """On the loop: send one chunk; let the thread go on once the client keeps up."""
         self.reply.event("data", chunk)
-        await self.reply.conn.writable.wait()
+        self.reply.conn.writable.wait().add_done_callback(lambda _f: queued.set())
 
 
 def _tar_directory(path, writer):
@@ -1621,26 +2030,89 @@ def base_environment():
 
 
 # --------------------------------------------------------------------------- connection
-class Connection(asyncio.Protocol):
-    """One client connection: frames in, replies and events out, many in flight."""
+WRITE_HIGH_WATER = 4 * 1024 * 1024  # queued reply bytes past which we stop reading
 
-    def __init__(self, daemon):
-        self.daemon = daemon
+
+class Connection:
+    """One client connection: frames in, replies and events out, many in flight. A
+    client that does not read its replies is not read from either (backpressure)."""
+
+    def __init__(self, daemon, sock):
+        self.daemon, self.loop, self.sock = daemon, daemon.loop, sock
+        self.fd = sock.fileno()
         self.reader = FrameReader()
-        self.transport = None
+        self.out = bytearray()
         self.authed = False
+        self.closing = False
+        self.closed = False
         self.inflight = {}  # request id -> Reply
-        self.hello_timer = None
-        self.writable = None
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.daemon.connections.add(self)
-        self.writable = asyncio.Event()
+        self.writable = Event(self.loop)
         self.writable.set()
-        self.hello_timer = self.daemon.loop.call_later(self.daemon.hello_timeout_s, self._no_hello)
+        sock.setblocking(False)
+        daemon.connections.add(self)
+        self.loop.add_reader(self.fd, self._readable)
+        self.hello_timer = self.loop.call_later(daemon.hello_timeout_s, self._no_hello)
 
-    def connection_lost(self, exc):
+    # ---- bytes
+    def _readable(self):
+        try:
+            data = self.sock.recv(262144)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.data_received(data)
+        else:
+            self.close()
+
+    def write(self, data):
+        if self.closed:
+            return
+        if not self.out:
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.close()
+                return
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+            self.loop.add_writer(self.fd, self._flush)
+        self.out += data
+        if len(self.out) > WRITE_HIGH_WATER and self.writable.is_set():
+            self.writable.clear()
+            self.loop.remove_reader(self.fd)
+
+    def _flush(self):
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        del self.out[:sent]
+        if not self.out:
+            self.loop.remove_writer(self.fd)
+            if self.closing:
+                self.close()
+                return
+        if len(self.out) <= WRITE_HIGH_WATER // 2 and not self.writable.is_set():
+            self.writable.set()
+            if not self.closing:
+                self.loop.add_reader(self.fd, self._readable)
+
+    def close(self):
+        """Close now (queued replies are dropped); see ``close_after_flush``."""
+        if self.closed:
+            return
+        self.closed = self.closing = True
+        self.loop.remove_reader(self.fd)
+        self.loop.remove_writer(self.fd)
+        self.sock.close()
         self.daemon.connections.discard(self)
         if self.hello_timer is not None:
             self.hello_timer.cancel()
@@ -1648,36 +2120,31 @@ class Connection(asyncio.Protocol):
             reply.cancel()
         self.writable.set()
 
-    def pause_writing(self):  # the client reads slower than we answer: stop reading it
-        self.writable.clear()
-        self.transport.pause_reading()
+    def close_after_flush(self):
+        self.closing = True
+        self.loop.remove_reader(self.fd)
+        if not self.out:
+            self.close()
 
-    def resume_writing(self):
-        self.writable.set()
-        self.transport.resume_reading()
-
+    # ---- frames
     def _no_hello(self):
         self._fail("ProtocolError", "no hello within %.1f s" % self.daemon.hello_timeout_s)
 
     def _fail(self, kind, message):
         """Answer a protocol violation and close: the stream can no longer be trusted."""
-        if not self.transport.is_closing():
-            try:
-                self.transport.write(encode_frame(
-                    {"id": None, "ok": False, "error": {"type": kind, "message": message}}))
-            except Exception:
-                pass
-            self.transport.close()
+        if not self.closing:
+            self.send({"id": None, "ok": False, "error": {"type": kind, "message": message}})
+            self.close_after_flush()
 
     def send(self, msg):
-        if self.transport.is_closing():
+        if self.closing:
             return
         try:
             frame = encode_frame(msg)
         except CodecError as exc:
             frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
                 "type": "InternalError", "message": "reply not encodable: %s" % exc}})
-        self.transport.write(frame)
+        self.write(frame)
 
     def data_received(self, data):
         try:
@@ -1686,7 +2153,7 @@ class Connection(asyncio.Protocol):
             self._fail("ProtocolError", str(exc))
             return
         for body in frames:
-            if self.transport.is_closing():
+            if self.closing:
                 return
             try:
                 req = unpack(body)
@@ -1757,13 +2224,13 @@ class Connection(asyncio.Protocol):
                 reply.fail(exc)
             return
         args = (self.daemon, req, reply) if kind == "stream" else (self.daemon, req)
-        task = self.daemon.loop.create_task(self._run(reply, method(*args)))
+        task = self.loop.create_task(self._run(reply, method(*args)))
         reply.on_cancel = task.cancel
 
     async def _run(self, reply, coro):
         try:
             result = await coro
-        except asyncio.CancelledError:
+        except CancelledError:
             reply.done = True
             self.inflight.pop(reply.rid, None)
         except Exception as exc:
@@ -1819,7 +2286,8 @@ for _name, _kind in (
 # --------------------------------------------------------------------------- main
 def parse_args(argv):
     opts = {"listen": None, "token_file": None, "workdir": None, "ready_fd": None,
-            "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S}
+            "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
+            "user": None, "limits": ""}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -1850,8 +2318,13 @@ def main(argv=None):
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
+    daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")
+                                 if item)
+    if opts["user"]:
+        uid, _, gid = opts["user"].partition(":")
+        daemon.user = (int(uid), int(gid or uid))
     ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
-    asyncio.run(daemon.serve(opts["listen"], ready_fd))
+    daemon.run(opts["listen"], ready_fd)
 
 
 if __name__ == "__main__":

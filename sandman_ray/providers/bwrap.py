@@ -1,115 +1,394 @@
-"""One bubblewrap sandbox on this host: a rootfs, the daemon bundle at /.sandman, the
-daemon's unix socket in a host directory. The LocalProvider's node agent builds on it;
-the demo and the tests use it directly."""
+"""One bubblewrap sandbox on this host.
 
+The process chain, per sandbox (recipes measured in PLATFORM.md)::
+
+    unshare --mount --propagation private  /bin/sh -c LAUNCH
+        join the sandbox's cgroups; mount the overlay (image lower, per-sandbox upper)
+        exec bwrap --bind MERGED / --ro-bind BUNDLE /.sandman --bind RUN /run/sandman
+                   --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
+                   --cap-drop ALL --cap-add (a container's default set) ...
+            /.sandman/bin/sandmand --listen unix:/run/sandman/sock ...   (PID 1 inside)
+
+The overlay is mounted in a private mount namespace, so it vanishes with the sandbox:
+no mount can leak. bwrap dies with its parent (the node agent) and takes the whole pid
+namespace with it, so no process can outlive the agent. Reset drops the writable layer
+and starts the daemon again on the same image.
+"""
+
+import asyncio
+import errno
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import SandboxLost
+from sandman_ray.images import PreparedImage
+from sandman_ray.spec import SandboxSpec
 
 SOCKET_DIR = "/run/sandman"
-# host directories a sandbox of the host's root gets fresh (or not at all)
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Host directories a sandbox of the host's root gets fresh (or not at all).
 HOST_SKIPPED = {"proc", "dev", "sys", "tmp", "run", ".sandman", "lost+found"}
+# What root inside a sandbox may still do: the default set of container engines. Gone,
+# among others: SYS_ADMIN (mount), SYS_PTRACE, SYS_MODULE, NET_ADMIN, SYS_TIME.
+CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID",
+                "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
+                "AUDIT_WRITE")
+_LAUNCH = r"""
+for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
+if [ -n "$1" ]; then
+    mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 98
+fi
+shift 4
+exec "$@"
+"""
 
 
-class BwrapSandbox:
-    """A sandbox process tree: ``start()`` returns once the daemon listens."""
+class Cgroups:
+    """The cgroups of one sandbox: v1 controllers (memory, pids, cpu) where writable,
+    else the v2 unified hierarchy, else none (rlimits then stand in, see ``rlimits``).
+    ``applied`` says what was enforced and how."""
 
-    def __init__(self, rootfs: Path, bundle: Path, run_dir: Path, *, network: bool = False,
-                 hostname: str = "sandbox", env: Optional[Dict[str, str]] = None,
-                 workdir: str = "/"):
-        self.rootfs, self.bundle, self.run_dir = Path(rootfs), Path(bundle), Path(run_dir)
-        self.network, self.hostname, self.workdir = network, hostname, workdir
-        self.env = dict(env or {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                                "HOME": "/root"})
+    V1 = Path("/sys/fs/cgroup")
+
+    def __init__(self, group: str):
+        self.group = group  # e.g. sandman/<pool>/<sandbox id>
+        self.dirs: List[Path] = []
+        self.applied: Dict[str, str] = {}
+
+    def create(self, spec: SandboxSpec) -> None:
+        wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
+        if not any(v is not None for v in wanted.values()):
+            return
+        if (self.V1 / "cgroup.controllers").exists():
+            self._create_v2(wanted)
+        else:
+            self._create_v1(wanted)
+
+    def _create_v1(self, wanted) -> None:
+        for controller, value in wanted.items():
+            if value is None or not os.access(self.V1 / controller, os.W_OK):
+                continue
+            path = self.V1 / controller / self.group
+            path.mkdir(parents=True, exist_ok=True)
+            self.dirs.append(path)
+            if controller == "memory":
+                _write(path / "memory.limit_in_bytes", value)
+                if (path / "memory.memsw.limit_in_bytes").exists():
+                    _write(path / "memory.memsw.limit_in_bytes", value)
+            elif controller == "pids":
+                _write(path / "pids.max", value)
+            else:
+                _write(path / "cpu.cfs_period_us", 100000)
+                _write(path / "cpu.cfs_quota_us", int(value * 100000))
+            self.applied[controller] = "cgroup-v1"
+
+    def _create_v2(self, wanted) -> None:
+        root = self.V1
+        available = (root / "cgroup.controllers").read_text().split()
+        usable = [c for c, v in wanted.items() if v is not None and c in available]
+        if not usable:
+            return
+        path, parts = root, self.group.split("/")
+        for part in parts:  # enable the controllers down to the leaf's parent
+            _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
+            path = path / part
+            path.mkdir(exist_ok=True)
+        self.dirs.append(path)
+        for controller in usable:
+            value = wanted[controller]
+            if controller == "memory":
+                _write(path / "memory.max", value)
+            elif controller == "pids":
+                _write(path / "pids.max", value)
+            else:
+                _write(path / "cpu.max", "%d 100000" % int(value * 100000))
+            self.applied[controller] = "cgroup-v2"
+
+    def procs_files(self) -> List[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def remove(self) -> None:
+        """Remove the leaf groups (their processes must be gone)."""
+        for path in self.dirs:
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise
+                    time.sleep(0.01)  # the last member is still being reaped by the kernel
+        self.dirs = []
+
+
+def _write(path: Path, value) -> None:
+    with open(path, "w") as fh:
+        fh.write(str(value))
+
+
+def rlimits(spec: SandboxSpec, applied: Dict[str, str]) -> List[str]:
+    """prlimit arguments for what cgroups could not enforce."""
+    args = []
+    if spec.memory is not None and "memory" not in applied:
+        args.append("--as=%d" % spec.memory)
+        applied["memory"] = "rlimit-as"
+    if spec.pids is not None and "pids" not in applied and spec.user:
+        args.append("--nproc=%d" % spec.pids)  # not enforced for uid 0
+        applied["pids"] = "rlimit-nproc"
+    return ["prlimit"] + args + ["--"] if args else []
+
+
+class SandboxProcess:
+    """A sandbox's process chain and its state directory::
+
+        state_dir/run/sock     the daemon's socket (bound at /run/sandman)
+        state_dir/upper, work  the overlay's writable layer
+        state_dir/root         the overlay's mount point (inside the chain's namespace)
+
+    ``launch`` starts it; ``wait_ready`` (async) or ``wait_ready_blocking`` waits until
+    the daemon listens; ``kill`` stops everything; ``discard_layer`` drops the writes.
+    """
+
+    def __init__(self, sandbox_id: str, image: PreparedImage, bundle: Path, state_dir: Path,
+                 spec: SandboxSpec, cgroup_group: Optional[str] = None, hostname: str = ""):
+        self.sandbox_id, self.image, self.bundle = sandbox_id, image, Path(bundle)
+        self.state_dir, self.spec = Path(state_dir), spec
+        self.hostname = hostname or sandbox_id[:63]
+        self.cgroups = Cgroups(cgroup_group) if cgroup_group else None
         self.token = secrets.token_hex(16)
         self.proc: Optional[subprocess.Popen] = None
+        self.ready_fd: Optional[int] = None
+        self.applied: Dict[str, str] = {}
+        self.started_at = 0.0
 
     @property
     def address(self) -> str:
-        return "unix:%s" % (self.run_dir / "sock")
+        return "unix:%s" % (self.state_dir / "run" / "sock")
 
-    def root_args(self) -> List[str]:
-        """The root filesystem: the rootfs read-only; for the host's own root, a tmpfs
-        with the host's top-level directories bound read-only into it (the host root
-        cannot get /.sandman created in it)."""
-        if self.rootfs != Path("/"):
-            return ["--ro-bind", str(self.rootfs), "/"]
+    def _environment(self) -> Dict[str, str]:
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
+        env.update(self.image.config.env_dict())
+        env.update(self.spec.env)
+        return env
+
+    def _workdir(self) -> str:
+        if self.spec.workdir:
+            return self.spec.workdir
+        if self.image.rootfs is None:
+            return "/tmp"
+        return self.image.config.workdir or "/"
+
+    def _user(self) -> Optional[str]:
+        user = self.spec.user or self.image.config.user
+        return user if user and all(p.isdigit() for p in user.split(":")) and user != "0" else None
+
+    def _root_args(self) -> List[str]:
+        if self.image.rootfs is not None:
+            return ["--bind", str(self.state_dir / "root"), "/"]
+        # host: a tmpfs root with the host's top-level directories bound read-only
         args = ["--tmpfs", "/"]
         for entry in sorted(os.listdir("/")):
+            path = "/" + entry
             if entry in HOST_SKIPPED:
                 continue
-            path = "/" + entry
             if os.path.islink(path):
                 args += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
-        return args
+        return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
 
     def argv(self, ready_fd: int) -> List[str]:
-        argv = ["bwrap"] + self.root_args() + [
-                "--ro-bind", str(self.bundle), DEFAULT_MOUNT,
-                "--bind", str(self.run_dir), SOCKET_DIR,
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--hostname", self.hostname, "--die-with-parent", "--new-session",
-                "--chdir", self.workdir]
-        if not self.network:
-            argv.append("--unshare-net")
-        return argv + daemon_argv() + ["--listen", "unix:%s/sock" % SOCKET_DIR,
-                                       "--workdir", self.workdir, "--ready-fd", str(ready_fd)]
+        bwrap = ["bwrap"] + self._root_args() + [
+            "--ro-bind", str(self.bundle), DEFAULT_MOUNT,
+            "--bind", str(self.state_dir / "run"), SOCKET_DIR,
+            "--proc", "/proc", "--dev", "/dev",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", self.hostname, "--die-with-parent", "--new-session", "--as-pid-1",
+            "--cap-drop", "ALL"]
+        if not self.spec.network:
+            bwrap.append("--unshare-net")
+        for cap in CAPABILITIES:
+            bwrap += ["--cap-add", "CAP_" + cap]
+        workdir = self._workdir()
+        bwrap += ["--chdir", workdir] + daemon_argv() + [
+            "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
+            "--ready-fd", str(ready_fd),
+            "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
+        user = self._user()
+        if user:
+            bwrap += ["--user", user]
+        if self.image.rootfs is not None:
+            layers = [str(self.image.rootfs), str(self.state_dir / "upper"),
+                      str(self.state_dir / "work"), str(self.state_dir / "root")]
+        else:
+            layers = ["", "", "", ""]
+        return (rlimits(self.spec, self.applied) +
+                ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", _LAUNCH,
+                 "sandman-launch"] + layers + bwrap)
 
-    def start(self, timeout: float = 10.0) -> str:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    def launch(self) -> None:
+        """Start the chain (from a thread that lives as long as the sandbox should:
+        bwrap dies with its parent thread)."""
+        for sub in ("run", "upper", "work", "root"):
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "upper").chmod(0o1777 if self.image.rootfs is None else 0o755)
+        user = self._user()
+        if user:
+            uid, _, gid = user.partition(":")
+            os.chown(self.state_dir / "run", int(uid), int(gid or uid))
+        if self.cgroups is not None and not self.cgroups.dirs:
+            self.cgroups.create(self.spec)
+        self.applied = dict(self.cgroups.applied) if self.cgroups else {}
         ready_r, ready_w = os.pipe()
-        env = dict(self.env, SANDMAN_TOKEN=self.token)
+        env = dict(self._environment(), SANDMAN_TOKEN=self.token)
+        env["SANDMAN_CGROUP_PROCS"] = " ".join(self.cgroups.procs_files()) if self.cgroups else ""
         try:
             self.proc = subprocess.Popen(
                 self.argv(ready_w), env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(ready_w,))
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(ready_w,),
+                start_new_session=True)
+        except BaseException:
+            os.close(ready_r)
+            raise
         finally:
             os.close(ready_w)
+        self.ready_fd = ready_r
+        self.started_at = time.time()
+
+    async def wait_ready(self, timeout: float) -> str:
+        """Wait (without blocking the loop) until the daemon listens."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        buf = bytearray()
+
+        def readable():
+            chunk = os.read(self.ready_fd, 256)
+            buf.extend(chunk)
+            if (not chunk or buf.endswith(b"\n")) and not done.done():
+                done.set_result(bool(chunk))
+        loop.add_reader(self.ready_fd, readable)
         try:
-            line = _read_line(ready_r, timeout)
+            ok = await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            ok = False
         finally:
-            os.close(ready_r)
-        if not line:
-            err = self.stop()
-            raise SandboxLost("sandbox daemon did not start within %.1f s: %s" % (timeout, err))
+            loop.remove_reader(self.ready_fd)
+            os.close(self.ready_fd)
+            self.ready_fd = None
+        if not ok:
+            raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
+                              % (self.sandbox_id, timeout, self._failure()))
         return self.address
 
-    def stop(self) -> str:
-        """Kill the whole sandbox (bwrap is the pid namespace's init: every process in
-        it dies with it). Returns what bwrap printed on stderr."""
+    def wait_ready_blocking(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        buf = b""
+        try:
+            while not buf.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.ready_fd], [], [], left)[0]:
+                    break
+                chunk = os.read(self.ready_fd, 256)
+                if not chunk:
+                    break
+                buf += chunk
+        finally:
+            os.close(self.ready_fd)
+            self.ready_fd = None
+        if not buf.endswith(b"\n"):
+            raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
+                              % (self.sandbox_id, timeout, self._failure()))
+        return self.address
+
+    def _failure(self) -> str:
+        self.kill()
+        err = self.proc.stderr.read().decode(errors="replace").strip() if self.proc else ""
+        return err[-2000:] or "no output"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Stop the sandbox: SIGKILL to bwrap takes its pid namespace (every process of
+        the sandbox) and its mount namespace (the overlay) with it."""
         if self.proc is None:
-            return ""
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-        _, err = self.proc.communicate()
-        self.proc = None
+        self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
         try:
-            (self.run_dir / "sock").unlink()
+            (self.state_dir / "run" / "sock").unlink()
         except FileNotFoundError:
             pass
-        return (err or b"").decode(errors="replace").strip()
+
+    def discard_layer(self, trash: Path) -> None:
+        """Move the writable layer aside (milliseconds; deleted later off the hot path)
+        so the next launch starts from the image as it is."""
+        trash.mkdir(parents=True, exist_ok=True)
+        for sub in ("upper", "work"):
+            path = self.state_dir / sub
+            if path.exists():
+                path.rename(trash / ("%s-%s-%s" % (self.sandbox_id, sub, secrets.token_hex(4))))
+
+    def remove(self, trash: Path) -> None:
+        """Everything the sandbox left on the host: state directory and cgroups."""
+        self.kill()
+        self.discard_layer(trash)
+        if self.cgroups is not None:
+            self.cgroups.remove()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-def _read_line(fd: int, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    data = b""
-    while not data.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return ""
-        chunk = os.read(fd, 256)
-        if not chunk:
-            return ""
-        data += chunk
-    return data.decode().strip()
+def empty_trash(trash: Path) -> threading.Thread:
+    """Delete discarded layers in a background thread."""
+    def run():
+        for entry in list(trash.iterdir()) if trash.exists() else ():
+            shutil.rmtree(entry, ignore_errors=True)
+    thread = threading.Thread(target=run, name="sandman-trash", daemon=True)
+    thread.start()
+    return thread
+
+
+class BwrapSandbox:
+    """One sandbox driven synchronously (scripts, the demo, benchmarks): ``start()``
+    returns the daemon's address once it listens; ``stop()`` removes everything."""
+
+    def __init__(self, rootfs: Path, bundle: Path, run_dir: Path, *, network: bool = False,
+                 hostname: str = "sandbox", env: Optional[Dict[str, str]] = None,
+                 workdir: Optional[str] = None):
+        image = PreparedImage("host" if Path(rootfs) == Path("/") else "dir:%s" % rootfs,
+                              None if Path(rootfs) == Path("/") else Path(rootfs))
+        spec = SandboxSpec(image=image.image, env=dict(env or {}), network=network,
+                           workdir=workdir)
+        self.state_dir = Path(run_dir)
+        self.process = SandboxProcess(hostname, image, bundle, self.state_dir, spec,
+                                      hostname=hostname)
+
+    @property
+    def token(self) -> str:
+        return self.process.token
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.process.launch()
+        return self.process.wait_ready_blocking(timeout)
+
+    def stop(self) -> None:
+        self.process.remove(self.state_dir.parent / (self.state_dir.name + ".trash"))
+        shutil.rmtree(self.state_dir.parent / (self.state_dir.name + ".trash"), ignore_errors=True)

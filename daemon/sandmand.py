@@ -1081,24 +1081,29 @@ class PipeReader:
             os.close(self.fd)
 
 
-async def write_all(loop, fd, data):
-    """Write ``data`` to a pipe without blocking the loop, then close it. A reader that
-    exits early (EPIPE) just ends the write."""
-    os.set_blocking(fd, False)
+async def write_pipe(loop, fd, data):
+    """Write all of ``data`` to a non-blocking pipe, waiting for room without blocking
+    the loop. OSError (EPIPE: the reader is gone) propagates."""
     view = memoryview(data)
-    try:
-        while view:
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_writer(fd, _resolve_once, ready)
             try:
-                n = os.write(fd, view)
-                view = view[n:]
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(fd, _resolve_once, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(fd)
-    except (BrokenPipeError, OSError):
+                await ready
+            finally:
+                loop.remove_writer(fd)
+
+
+async def write_and_close(loop, fd, data):
+    """Feed a command's stdin, then close it; a command that exits without reading
+    it all just ends the write."""
+    os.set_blocking(fd, False)
+    try:
+        await write_pipe(loop, fd, data)
+    except OSError:
         pass
     finally:
         os.close(fd)
@@ -1292,7 +1297,7 @@ class Daemon:
         run.pid, run.readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
                                                             out.add, err.add, run.exited)
         if stdin:
-            self.loop.create_task(write_all(self.loop, stdin_w, _as_bytes(stdin)))
+            self.loop.create_task(write_and_close(self.loop, stdin_w, _as_bytes(stdin)))
         if timeout is not None:
             run.timer = self.loop.call_later(timeout, run.time_out)
         reply.on_cancel = run.cancel
@@ -1394,7 +1399,7 @@ class Daemon:
         proc.pid, readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
                                                          proc.out.add, proc.err.add)
         if stdin:
-            self.loop.create_task(write_all(self.loop, stdin_w, _as_bytes(stdin)))
+            self.loop.create_task(write_and_close(self.loop, stdin_w, _as_bytes(stdin)))
         self.procs[proc.pid] = proc
         self.loop.create_task(self._follow(proc, self.children.waiting[proc.pid], readers))
         return {"pid": proc.pid}
@@ -1700,7 +1705,11 @@ class Session:
             script = ("command eval %s </dev/null\ncommand printf '%s%%d\\n' $?;"
                       "command echo %s >&2\n" % (shell_quote(cmd), run.sentinel_text,
                                                   run.sentinel_text))
-            await write_some(self.daemon.loop, self.stdin, script.encode())
+            try:
+                await write_pipe(self.daemon.loop, self.stdin, script.encode())
+            except OSError as exc:
+                raise RequestError("SessionClosed", "the shell of session %r is gone: %s"
+                                   % (self.name, exc))
             timed_out = False
             try:
                 finished = await wait_for(self.daemon.loop, run.finished, timeout)
@@ -1808,23 +1817,6 @@ class Process:
                 "started_at": self.started, "ended_at": self.ended,
                 "stdout_bytes": self.out.start + len(self.out.data),
                 "stderr_bytes": self.err.start + len(self.err.data)}
-
-
-async def write_some(loop, fd, data):
-    """Write all of ``data`` to a non-blocking pipe that stays open."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            ready = loop.create_future()
-            loop.add_writer(fd, _resolve_once, ready)
-            try:
-                await ready
-            finally:
-                loop.remove_writer(fd)
-        except OSError as exc:
-            raise RequestError("SessionClosed", "the session's shell is gone: %s" % exc)
 
 
 def shell_quote(text):

@@ -179,8 +179,12 @@ def build(dest: Path, mount: str = DEFAULT_MOUNT, python: Path = None) -> Path:
             "python": str(python), "version": "%d.%d" % (major, minor), "mount": mount,
             "loader": loader, "daemon": _digest(Path(sandmand.__file__)),
             "builder": _digest(Path(__file__))}, indent=1))
+        # readable by every user: a sandbox may run its daemon as any uid
+        work.chmod(0o755)
         for path in work.rglob("*"):
-            if path.is_file():
+            if path.is_dir():
+                path.chmod(0o755)
+            elif path.is_file():
                 path.chmod(0o755 if os.access(path, os.X_OK) else 0o644)
         if dest.exists():
             shutil.rmtree(dest)

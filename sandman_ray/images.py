@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from sandman_ray.providers.base import fatal, transient
+from sandman_ray.spec import parse_image as parse
 
 logger = logging.getLogger(__name__)
 
@@ -67,27 +68,6 @@ class PreparedImage:
     config: ImageConfig = field(default_factory=ImageConfig)
     digest: str = ""
     unpacked_by: str = "in place"
-
-
-def parse(image: str) -> Tuple[str, str, str]:
-    """(kind, location, tag) of an image string; ValueError naming the problem."""
-    if image == "host":
-        return "host", "", ""
-    for kind in ("dir", "oci", "docker-archive"):
-        if image.startswith(kind + ":"):
-            rest = image[len(kind) + 1:]
-            tag = ""
-            if kind == "oci":
-                head, sep, tail = rest.rpartition(":")
-                if sep and "/" not in tail:
-                    rest, tag = head, tail
-            if not rest.startswith("/"):
-                raise ValueError("image %r: %s needs an absolute path" % (image, kind))
-            return kind, rest, tag
-    if "/" in image and not image.startswith("/") and " " not in image:
-        return "registry", image, ""
-    raise ValueError("image %r is not host, dir:/path, oci:/path[:tag], "
-                     "docker-archive:/path.tar or a registry reference" % image)
 
 
 class ImageCache:

@@ -2,7 +2,7 @@
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
           "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
@@ -24,6 +24,27 @@ def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[
     if number <= 0:
         raise ValueError("%s must be positive, got %r" % (what, value))
     return number
+
+
+def parse_image(image: str) -> Tuple[str, str, str]:
+    """(kind, location, tag) of an image string; ValueError naming the problem."""
+    if image == "host":
+        return "host", "", ""
+    for kind in ("dir", "oci", "docker-archive"):
+        if image.startswith(kind + ":"):
+            rest = image[len(kind) + 1:]
+            tag = ""
+            if kind == "oci":
+                head, sep, tail = rest.rpartition(":")
+                if sep and "/" not in tail:
+                    rest, tag = head, tail
+            if not rest.startswith("/"):
+                raise ValueError("image %r: %s needs an absolute path" % (image, kind))
+            return kind, rest, tag
+    if "/" in image and not image.startswith("/") and " " not in image:
+        return "registry", image, ""
+    raise ValueError("image %r is not host, dir:/path, oci:/path[:tag], "
+                     "docker-archive:/path.tar or a registry reference" % image)
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,7 @@ class SandboxSpec:
     def __post_init__(self):
         if not isinstance(self.image, str) or not self.image.strip():
             raise ValueError("SandboxSpec.image must be a non-empty string, got %r" % (self.image,))
+        parse_image(self.image)
         if self.cpu is not None and (isinstance(self.cpu, bool) or not self.cpu > 0):
             raise ValueError("SandboxSpec.cpu must be a positive number of cores, got %r" % (self.cpu,))
         object.__setattr__(self, "memory", parse_bytes(self.memory, "SandboxSpec.memory"))

@@ -214,8 +214,14 @@ class SandboxProcess:
             "--bind", str(self.state_dir / "run"), SOCKET_DIR,
             "--proc", "/proc", "--dev", "/dev",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", self.hostname, "--die-with-parent", "--new-session", "--as-pid-1",
+            "--hostname", self.hostname, "--die-with-parent", "--new-session",
             "--cap-drop", "ALL"]
+        user = self._user()
+        if not user:
+            # the daemon is the sandbox's PID 1 (it reaps orphans). Not when it drops to
+            # another uid: changing credentials clears the parent-death signal, and
+            # bwrap's own init, which keeps it, must then hold the namespace.
+            bwrap.append("--as-pid-1")
         if not self.spec.network:
             bwrap.append("--unshare-net")
         for cap in CAPABILITIES:
@@ -225,7 +231,6 @@ class SandboxProcess:
             "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
             "--ready-fd", str(ready_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
-        user = self._user()
         if user:
             bwrap += ["--user", user]
         if self.image.rootfs is not None:

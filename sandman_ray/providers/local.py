@@ -48,6 +48,7 @@ class NodeAgent:
         self.cgroup_parent = "sandman/%s-%s" % (pool, node_id[:16])
         self._remove_leftovers()
         self.state.mkdir(parents=True, exist_ok=True)
+        self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(Path(cache_root) / "bundle")
         self.images = ImageCache(Path(cache_root) / "images", prefer_tools=prefer_tools)
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
@@ -68,6 +69,19 @@ class NodeAgent:
                             leaf.rmdir()
                         except OSError:
                             pass
+
+    def _start_janitor(self):
+        """A process that cleans this agent's state once the agent is gone."""
+        import subprocess
+        import sys
+        from sandman_ray.providers.bwrap import Cgroups
+        self.cgroup_dirs = [str(Cgroups.V1 / c / self.cgroup_parent)
+                            for c in ("memory", "pids", "cpu")]
+        return subprocess.Popen(
+            [sys.executable, "-m", "sandman_ray.providers.janitor", str(self.state)]
+            + self.cgroup_dirs,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True)
 
     def ready(self) -> str:
         return self.node_id
@@ -162,6 +176,9 @@ class NodeAgent:
         """Delete every sandbox of this agent; returns how many there were."""
         ids = list(self.sandboxes)
         await asyncio.gather(*(self.delete(sid) for sid in ids))
+        from sandman_ray.providers.janitor import clean
+        await asyncio.get_running_loop().run_in_executor(
+            None, clean, str(self.state), self.cgroup_dirs, 0.0)
         return len(ids)
 
 

@@ -1,0 +1,266 @@
+"""LocalProvider on a real local Ray: node agents, bwrap sandboxes from every image
+kind, isolation, limits, reset, and nothing left behind."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+
+from sandman_ray import DaemonClient, ProviderError
+from sandman_ray.image_builders import write_docker_archive, write_oci_layout
+from sandman_ray.providers.local import LocalProvider
+from sandman_ray.spec import SandboxSpec
+from conftest import ROOT, processes_matching, require_bwrap
+
+STATE = "/tmp/sandman-ray-test/state"
+CACHE = str(ROOT / ".cache" / "provider")
+
+
+@pytest.fixture(scope="module")
+def provider():
+    require_bwrap()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    p = LocalProvider(state_root=STATE, cache_root=CACHE).bind("test-%s" % uuid.uuid4().hex[:6])
+    yield p
+    run(p.shutdown())
+    ray.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def new_id():
+    return "sb-" + uuid.uuid4().hex[:10]
+
+
+class Sandbox:
+    """A sandbox for the length of a ``with`` block."""
+
+    def __init__(self, provider, spec):
+        self.provider, self.spec, self.id = provider, SandboxSpec.of(spec), new_id()
+
+    def __enter__(self):
+        self.info = run(self.provider.create(self.id, self.spec, {"test": "yes"}))
+        self.client = DaemonClient(self.info.address, self.info.token, default_timeout=60)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        run(self.provider.delete(self.id))
+
+
+@pytest.fixture(scope="module")
+def images(busybox_rootfs, tmp_path_factory):
+    where = tmp_path_factory.mktemp("images")
+    config = {"Env": ["FROM_IMAGE=yes", "PATH=/bin"], "WorkingDir": "/home"}
+    layers = [{"opt/keep/a": b"1", "opt/gone/b": b"2", "etc/motd": b"old"},
+              {"opt/gone/.wh..wh..opq": b"", "opt/gone/c": b"3", "etc/.wh.motd": b""}]
+    oci = write_oci_layout(busybox_rootfs, where / "oci", "v1", config, layers)
+    archive = write_docker_archive(busybox_rootfs, where / "image.tar", config, layers)
+    return {"host": "host", "dir": "dir:%s" % busybox_rootfs, "oci": "oci:%s:v1" % oci,
+            "docker-archive": "docker-archive:%s" % archive}
+
+
+@pytest.mark.parametrize("kind", ["host", "dir", "oci", "docker-archive"])
+def test_each_image_kind_answers_exec(provider, images, kind):
+    with Sandbox(provider, images[kind]) as sb:
+        assert sb.client.exec("echo hello").stdout == b"hello\n"
+        if kind in ("oci", "docker-archive"):
+            r = sb.client.exec("pwd; echo $FROM_IMAGE; ls /opt/keep; ls /opt/gone")
+            assert r.text.split() == ["/home", "yes", "a", "c"]  # b: under an opaque dir
+            assert sb.client.exec("ls /etc/motd").exit_code != 0  # whited out
+            assert sb.info.details["unpacked_by"] in ("umoci", "skopeo+umoci")
+
+
+def test_builtin_layer_applier_gives_the_same_tree(images, tmp_path):
+    from sandman_ray.images import ImageCache
+    tools = ImageCache(tmp_path / "tools", prefer_tools=True).prepare(images["oci"])
+    builtin = ImageCache(tmp_path / "builtin", prefer_tools=False).prepare(images["oci"])
+    assert builtin.unpacked_by == "sandman" and tools.digest == builtin.digest
+
+    def tree(root):
+        return sorted((str(p.relative_to(root)), p.is_symlink()) for p in root.rglob("*"))
+    assert tree(tools.rootfs) == tree(builtin.rootfs)
+
+
+def test_registry_reference_without_a_reachable_registry_fails_clearly(provider):
+    with pytest.raises(ProviderError) as err:
+        run(provider.create(new_id(), SandboxSpec(image="docker.io/library/busybox:latest"), {}))
+    assert err.value.kind == "transient" and "unreachable" in str(err.value)
+
+
+def test_bad_image_strings_fail_fatally_with_the_reason(provider):
+    for image, words in (("oci:/no/such/layout", "not an OCI layout"),
+                         ("dir:/no/such/dir", "no such directory"),
+                         ("docker-archive:/no/such.tar", "no such file")):
+        with pytest.raises(ProviderError) as err:
+            run(provider.create(new_id(), SandboxSpec(image=image), {}))
+        assert err.value.kind == "fatal" and words in str(err.value)
+    with pytest.raises(ValueError, match="not host"):
+        SandboxSpec(image="busybox")  # no registry host: refused before any work
+
+
+def test_sandbox_sees_only_its_own_processes_and_only_loopback(provider, images):
+    with Sandbox(provider, images["dir"]) as sb:
+        pids = [p for p in sb.client.exec("ls /proc").text.split() if p.isdigit()]
+        assert "1" in pids and len(pids) <= 4  # the daemon, the shell, ls
+        assert sb.client.info()["pid1"]
+        interfaces = [line.split(":")[0].strip() for line in
+                      sb.client.read_file("/proc/net/dev").decode().splitlines()[2:]]
+        assert interfaces == ["lo"]
+
+
+def test_network_true_shares_the_host_network(provider, images):
+    with Sandbox(provider, SandboxSpec(image=images["dir"], network=True)) as sb:
+        interfaces = sb.client.read_file("/proc/net/dev").decode()
+        assert len(interfaces.splitlines()) > 3
+
+
+def test_writes_stay_in_their_sandbox(provider, images, busybox_rootfs):
+    with Sandbox(provider, images["dir"]) as a, Sandbox(provider, images["dir"]) as b:
+        a.client.write_file("/etc/only-in-a", b"a")
+        a.client.exec("rm /bin/vi")
+        assert not (busybox_rootfs / "etc" / "only-in-a").exists()
+        assert (busybox_rootfs / "bin" / "vi").is_symlink()
+        assert b.client.exec("ls /etc/only-in-a").exit_code != 0
+        assert b.client.exec("ls /bin/vi").exit_code == 0
+    marker = "host-" + uuid.uuid4().hex
+    with Sandbox(provider, "host") as h:
+        h.client.write_file("/tmp/%s" % marker, b"x")
+        assert h.client.exec("touch /etc/%s" % marker).exit_code != 0  # read-only view
+        assert not os.path.exists("/tmp/%s" % marker)
+
+
+def test_daemon_bundle_is_read_only_inside(provider, images):
+    with Sandbox(provider, images["dir"]) as sb:
+        r = sb.client.exec("touch /.sandman/x; echo > /.sandman/sandmand.py")
+        assert r.exit_code != 0 and b"Read-only" in r.stderr
+
+
+def test_runs_as_the_given_uid(provider, images):
+    with Sandbox(provider, SandboxSpec(image=images["dir"], user="1000:1000")) as sb:
+        assert sb.client.exec("id -u; id -g").text.split() == ["1000", "1000"]
+        assert sb.client.exec("touch /etc/x").exit_code != 0
+        assert sb.client.exec("touch /tmp/x").exit_code == 0
+    from conftest import wait_until
+    # the daemon dropped its privileges: it must still die with its sandbox
+    wait_until(lambda: processes_matching("--user 1000:1000") == [],
+               what="the unprivileged daemon to exit with its sandbox")
+
+
+def test_fork_bomb_and_memory_hog_are_stopped_by_limits(provider, images):
+    spec = SandboxSpec(image=images["dir"], memory="64Mi", pids=64, cpu=0.5)
+    with Sandbox(provider, spec) as bomb, Sandbox(provider, images["dir"]) as bystander:
+        assert set(bomb.client.info()["limits"]["applied"]) == {"memory", "pids", "cpu"}
+        r = bomb.client.exec("f() { f | f & }; f; sleep 1; echo survived", timeout=10,
+                             kill_grace_s=0.5)
+        assert r.timed_out or b"fork" in r.stderr.lower() or b"resource" in r.stderr.lower()
+        hog = bomb.client.exec("dd if=/dev/zero of=/dev/null bs=200M count=1; echo $?",
+                               timeout=60)
+        assert hog.stdout.strip() in (b"137", b"1")  # killed for memory, not finished
+        assert bystander.client.exec("echo fine").stdout == b"fine\n"
+        assert bomb.client.exec("echo still answering").exit_code == 0
+
+
+def test_reset_drops_writes_and_processes(provider, images):
+    with Sandbox(provider, images["dir"]) as sb:
+        sb.client.write_file("/root/notes", b"episode 1")
+        sb.client.spawn("sleep 81.5")
+        sb.client.close()
+        info = run(provider.reset(sb.id))
+        sb.client = DaemonClient(info.address, info.token, default_timeout=60)
+        assert sb.client.exec("ls /root/notes").exit_code != 0
+        assert processes_matching("sleep 81.5") == []
+        assert sb.client.exec("echo again").stdout == b"again\n"
+
+
+def test_create_is_idempotent_under_retries(provider, images):
+    sandbox_id = new_id()
+
+    async def twice():
+        spec = SandboxSpec(image=images["dir"])
+        return await asyncio.gather(provider.create(sandbox_id, spec, {}),
+                                    provider.create(sandbox_id, spec, {}))
+    first, second = run(twice())
+    assert first.address == second.address and first.token == second.token
+    assert [i.sandbox_id for i in run(provider.list())].count(sandbox_id) == 1
+    run(provider.delete(sandbox_id))
+    run(provider.delete(sandbox_id))  # deleting twice is not an error
+
+
+def test_list_filters_by_label(provider, images):
+    with Sandbox(provider, images["dir"]) as sb:
+        mine = run(provider.list({"sandman.sandbox": sb.id}))
+        assert [i.sandbox_id for i in mine] == [sb.id]
+        assert mine[0].labels["test"] == "yes" and mine[0].node_id
+        assert run(provider.list({"test": "no-such-value"})) == []
+
+
+def test_sandboxes_die_with_their_agent_and_a_new_agent_cleans_up(images):
+    from sandman_ray.providers.local import NAMESPACE, agent_name
+    p = LocalProvider(state_root=STATE, cache_root=CACHE).bind("agent-death")
+    sandbox_id = new_id()
+    info = run(p.create(sandbox_id, SandboxSpec(image=images["dir"]), {}))
+    bwrap_pid = info.details["pid"]
+    state = Path(info.address[len("unix:"):]).parent.parent
+    agent = ray.get_actor(agent_name("agent-death", info.node_id), namespace=NAMESPACE)
+    ray.kill(agent)
+    from conftest import wait_until
+    wait_until(lambda: not os.path.exists("/proc/%d" % bwrap_pid)
+               or open("/proc/%d/stat" % bwrap_pid).read().split()[2] == "Z",
+               what="the sandbox to die with its agent")
+    assert state.exists()  # left behind by the dead agent ...
+    p2 = LocalProvider(state_root=STATE, cache_root=CACHE).bind("agent-death")
+    run(p2.create(new_id(), SandboxSpec(image=images["dir"]), {}))
+    assert not state.exists()  # ... and removed by the next one
+    run(p2.shutdown())
+
+
+def test_ray_shutdown_leaves_no_process_mount_or_state(busybox_rootfs, tmp_path):
+    """A driver of its own (a fresh local Ray) creates sandboxes and shuts Ray down."""
+    state = tmp_path / "state"
+    script = textwrap.dedent("""
+        import asyncio, ray
+        from sandman_ray.providers.local import LocalProvider
+        from sandman_ray.spec import SandboxSpec
+        ray.init(address="local", num_cpus=1, include_dashboard=False)
+        p = LocalProvider(state_root=%r, cache_root=%r).bind("shutdown-test")
+        async def main():
+            infos = await asyncio.gather(*[p.create("s%%d" %% i, SandboxSpec(image=%r, memory="64Mi"), {})
+                                           for i in range(5)])
+            print(" ".join(str(i.details["pid"]) for i in infos), flush=True)
+        asyncio.run(main())
+        ray.shutdown()
+    """ % (str(state), CACHE, "dir:%s" % busybox_rootfs))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 5
+    from conftest import wait_until
+    wait_until(lambda: not any(os.path.exists("/proc/%d/cmdline" % p)
+                               and open("/proc/%d/cmdline" % p, "rb").read() for p in pids),
+               what="every sandbox process to exit")
+    assert processes_matching(str(state)) == []
+    mounts = [m for m in (Path("/proc") / p / "mountinfo" for p in os.listdir("/proc")
+                          if p.isdigit()) if _mentions(m, str(state))]
+    assert mounts == []
+    # the agent's janitor removes the state once the agent is gone
+    wait_until(lambda: list(state.rglob("*")) == [], what="the janitor to remove the state")
+    cgroups = [g for g in Path("/sys/fs/cgroup/memory/sandman").glob("shutdown-test-*")]
+    assert cgroups == []
+
+
+def _mentions(path, text):
+    try:
+        return text in path.read_text()
+    except OSError:
+        return False

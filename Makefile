@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
-# smallest test image, patchelf and binutils (strip) for the daemon bundle, file to
-# recognise static binaries.
-DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils file
+# smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
+# (unshare, prlimit) around sandboxes, skopeo and umoci for images, debootstrap for the
+# Debian test image.
+DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap
 
 .PHONY: demo test bench system-packages clean
 

@@ -264,3 +264,16 @@ def _mentions(path, text):
         return text in path.read_text()
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_debian_minbase_image_without_python(provider, tmp_path_factory):
+    """The slow tier: a real distribution rootfs made by debootstrap (~20 s, cached)."""
+    from sandman_ray.image_builders import build_debian_rootfs
+    rootfs = build_debian_rootfs(ROOT / ".cache" / "images" / "debian-bookworm")
+    with Sandbox(provider, "dir:%s" % rootfs) as sb:
+        assert sb.client.exec("cat /etc/debian_version").text.startswith("12")
+        assert sb.client.exec("command -v python3 || echo none").text.strip() == "none"
+        sb.client.run("cd /var && export X=deb")
+        assert sb.client.run("echo $X $(pwd) $BASH_VERSION").text.split()[:2] == ["deb", "/var"]
+        assert sb.client.exec(["dpkg-query", "-W", "-f=${Package}\\n", "bash"]).text == "bash\n"

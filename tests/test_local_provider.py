@@ -277,3 +277,28 @@ def test_debian_minbase_image_without_python(provider, tmp_path_factory):
         sb.client.run("cd /var && export X=deb")
         assert sb.client.run("echo $X $(pwd) $BASH_VERSION").text.split()[:2] == ["deb", "/var"]
         assert sb.client.exec(["dpkg-query", "-W", "-f=${Package}\\n", "bash"]).text == "bash\n"
+
+
+def test_image_user_by_name_and_unknown_names(provider, busybox_rootfs, tmp_path):
+    oci = write_oci_layout(busybox_rootfs, tmp_path / "oci-user", "v1", {"User": "nobody"})
+    with Sandbox(provider, "oci:%s:v1" % oci) as sb:
+        assert sb.client.exec("id -u; id -g").text.split() == ["65534", "65534"]
+    # numeric ids need no entry in the image; an unknown name is refused
+    with Sandbox(provider, SandboxSpec(image="dir:%s" % busybox_rootfs, user="4242:4242")) as sb:
+        assert sb.client.exec("id -u").text.strip() == "4242"
+    bad = write_oci_layout(busybox_rootfs, tmp_path / "oci-bad", "v1", {"User": "ghost"})
+    with pytest.raises(ProviderError, match="no passwd entry for 'ghost'") as err:
+        run(provider.create(new_id(), SandboxSpec(image="oci:%s:v1" % bad), {}))
+    assert err.value.kind == "fatal"
+
+
+def test_an_image_is_unpacked_once_under_concurrent_requests(busybox_rootfs, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    from sandman_ray.images import ImageCache
+    oci = write_oci_layout(busybox_rootfs, tmp_path / "oci", "v1")
+    caches = [ImageCache(tmp_path / "cache") for _ in range(8)]  # as 8 agents' threads
+    with ThreadPoolExecutor(8) as pool:
+        prepared = list(pool.map(lambda c: c.prepare("oci:%s:v1" % oci), caches))
+    assert len({p.rootfs for p in prepared}) == 1
+    entries = [e.name for e in (tmp_path / "cache").iterdir() if not e.name.endswith(".lock")]
+    assert entries == [prepared[0].digest.replace(":", "-")]

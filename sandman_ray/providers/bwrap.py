@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
-from sandman_ray.errors import SandboxLost
+from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
 from sandman_ray.spec import SandboxSpec
 
@@ -190,8 +190,34 @@ class SandboxProcess:
         return self.image.config.workdir or "/"
 
     def _user(self) -> Optional[str]:
+        """``uid:gid`` to run as, None for root: the spec's user, else the image's
+        (names are looked up in the image's /etc/passwd and /etc/group)."""
         user = self.spec.user or self.image.config.user
-        return user if user and all(p.isdigit() for p in user.split(":")) and user != "0" else None
+        if not user:
+            return None
+        name, _, group = user.partition(":")
+        uid = name if name.isdigit() else self._lookup("passwd", name, 2)
+        if group:
+            gid = group if group.isdigit() else self._lookup("group", group, 2)
+        else:
+            gid = self._lookup("passwd", name, 3) if not name.isdigit() else uid
+        return None if uid == "0" and gid == "0" else "%s:%s" % (uid, gid)
+
+    def _lookup(self, table: str, key: str, column: int) -> str:
+        """A field of the image's /etc/passwd or /etc/group; a name the image does not
+        know is an error, not a silent run as root."""
+        root = self.image.rootfs or Path("/")
+        try:
+            lines = (root / "etc" / table).read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            fields = line.split(":")
+            if len(fields) > column and (fields[0] == key or fields[2] == key):
+                return fields[column]
+        raise ProviderError("image %s has no %s entry for %r (user %r)"
+                            % (self.image.image, table, key, self.spec.user or
+                               self.image.config.user), "fatal")
 
     def _root_args(self) -> List[str]:
         if self.image.rootfs is not None:

@@ -125,6 +125,9 @@ class NodeAgent:
         except OSError as exc:
             await loop.run_in_executor(None, sandbox.remove, self.trash)
             raise fatal("sandbox %s cannot start: %s" % (sandbox_id, exc)) from exc
+        except ProviderError:
+            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            raise
         self.sandboxes[sandbox_id] = sandbox
         self.labels[sandbox_id] = dict(labels)
         return self._info(sandbox_id)

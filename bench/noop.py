@@ -2,6 +2,7 @@
 
 In one run, p50/p99 (ms) of:
   floor        os.posix_spawn("/bin/true") + waitpid, from this process
+  captured     the same spawn with what exec needs (session, pipes, pidfd), in-process
   ping         client -> daemon -> client, no work
   exec true    one-shot command through the daemon (spawn, wait, collect output)
   session true ``true`` in a persistent shell session
@@ -18,6 +19,8 @@ import argparse
 import json
 import os
 import platform
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,35 @@ SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 def floor() -> None:
     pid = os.posix_spawn("/bin/true", ["true"], SANDBOX_ENV)
     os.waitpid(pid, 0)
+
+
+_DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+_EPOLL = select.epoll()
+
+
+def captured_spawn() -> None:
+    """What a daemon's exec must do beyond the floor, in this process and without any
+    IPC: a new session, default SIGPIPE, stdout/stderr through pipes, the exit seen
+    through a pidfd in an epoll."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.posix_spawnp("true", ["true"], SANDBOX_ENV, setsid=True,
+                          setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                          file_actions=[(os.POSIX_SPAWN_DUP2, _DEVNULL, 0),
+                                        (os.POSIX_SPAWN_DUP2, out_w, 1),
+                                        (os.POSIX_SPAWN_DUP2, err_w, 2)])
+    os.close(out_w)
+    os.close(err_w)
+    pidfd = os.pidfd_open(pid)
+    _EPOLL.register(pidfd, select.EPOLLIN)
+    _EPOLL.poll()
+    _EPOLL.unregister(pidfd)
+    os.close(pidfd)
+    os.waitpid(pid, 0)
+    os.read(out_r, 65536)
+    os.read(err_r, 65536)
+    for fd in (out_r, err_r):
+        os.close(fd)
 
 
 def start_host_daemon(listen: str, token: str):
@@ -81,7 +113,8 @@ def main() -> None:
         sandbox_token = sandbox.token
         clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
 
-        rows = {("floor", "posix_spawn true"): floor}
+        rows = {("floor", "posix_spawn true"): floor,
+                ("in-process", "captured spawn"): captured_spawn}
         for where, client in clients.items():
             client.run("true")  # open the default session before timing
             rows[(where, "ping")] = client.ping

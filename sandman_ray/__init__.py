@@ -1,15 +1,29 @@
-"""sandman-ray: Ray-native sandboxes for agentic reinforcement learning."""
+"""sandman-ray: Ray-native sandboxes for agentic reinforcement learning.
 
+    import ray, sandman_ray as sandman
+    ray.init()
+    sandman.create_pool("default", warm={"host": 4})
+    with sandman.sandbox("host") as sb:
+        ray.get(sb.exec.remote("echo hi"))
+"""
+
+from sandman_ray.api import (
+    acquire, acquire_async, create_pool, get_pool, release, release_async, sandbox,
+    shutdown_pool)
 from sandman_ray.client import (
     AsyncDaemonClient, DaemonClient, ExecResult, FileStat, ProcessOutput, ProcessStatus)
 from sandman_ray.errors import (
     AcquireTimeout, AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout,
     ProtocolError, ProviderError, SandboxLost, SandmanError)
+from sandman_ray.providers.local import LocalProvider
+from sandman_ray.spec import PoolConfig, SandboxSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AcquireTimeout", "AsyncDaemonClient", "AuthError", "CallTimeout", "ConnectionLost",
-    "DaemonClient", "DaemonError", "ExecResult", "ExecTimeout", "FileStat", "ProcessOutput",
-    "ProcessStatus", "ProtocolError", "ProviderError", "SandboxLost", "SandmanError",
+    "DaemonClient", "DaemonError", "ExecResult", "ExecTimeout", "FileStat", "LocalProvider",
+    "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
+    "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
+    "get_pool", "release", "release_async", "sandbox", "shutdown_pool",
 ]

@@ -110,7 +110,76 @@ class SandboxSpec:
         """A spec from a spec or an image string."""
         return spec if isinstance(spec, SandboxSpec) else cls(image=spec)
 
+    def __hash__(self):
+        return hash((self.key(), self.ttl_s, self.idle_timeout_s,
+                     tuple(sorted(self.labels.items()))))
+
     def key(self) -> tuple:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
         return (self.image, self.cpu, self.memory, self.pids, tuple(sorted(self.env.items())),
                 self.workdir, self.network, self.user)
+
+
+@dataclass
+class PoolConfig:
+    """How a pool behaves.
+
+    provider: where sandboxes run (default: LocalProvider on this Ray cluster).
+    max_sandboxes: most sandboxes the pool keeps at once, in every state.
+    warm: READY sandboxes to keep per spec, ``{image or SandboxSpec: count}``.
+    create_rate_per_s, create_burst: the token bucket on creates (a shared cluster is
+        never asked for more); the rate is cut on throttled or transient provider
+        errors and grows back on successes, never above ``create_rate_per_s``.
+    max_starting: most sandboxes being created at once.
+    ready_timeout_s: a sandbox whose daemon does not answer within this is replaced.
+    lease_grace_s: a lease whose handle has not registered within this is reclaimed.
+    sandbox_ttl_s: a lease is reclaimed this long after it began (None: never).
+    idle_timeout_s: a lease is reclaimed after this long without a command (None: never).
+    reuse: what a released sandbox becomes: ``reset`` (back to READY, when the provider
+        can) or ``delete``.
+    client_quota: most sandboxes one client may hold at once (None: no limit).
+    sweep_interval_s: how often the watchdog checks handles, TTLs and idle leases.
+    """
+
+    provider: object = None
+    max_sandboxes: int = 256
+    warm: Dict[object, int] = field(default_factory=dict)
+    create_rate_per_s: float = 50.0
+    create_burst: int = 50
+    max_starting: int = 64
+    ready_timeout_s: float = 60.0
+    lease_grace_s: float = 30.0
+    sandbox_ttl_s: Optional[float] = None
+    idle_timeout_s: Optional[float] = None
+    reuse: str = "reset"
+    client_quota: Optional[int] = None
+    sweep_interval_s: float = 0.5
+
+    def __post_init__(self):
+        def positive(name, integer=False, optional=False):
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 \
+                    or (integer and not isinstance(value, int)):
+                raise ValueError("PoolConfig.%s must be a positive %s, got %r"
+                                 % (name, "int" if integer else "number", value))
+        for name in ("max_sandboxes", "create_burst", "max_starting"):
+            positive(name, integer=True)
+        for name in ("create_rate_per_s", "ready_timeout_s", "lease_grace_s", "sweep_interval_s"):
+            positive(name)
+        for name in ("sandbox_ttl_s", "idle_timeout_s"):
+            positive(name, optional=True)
+        positive("client_quota", integer=True, optional=True)
+        if self.reuse not in ("reset", "delete"):
+            raise ValueError("PoolConfig.reuse must be 'reset' or 'delete', got %r" % (self.reuse,))
+        warm = {}
+        for spec, count in dict(self.warm).items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError("PoolConfig.warm counts must be ints >= 0, got %r for %r"
+                                 % (count, spec))
+            warm[SandboxSpec.of(spec)] = count
+        self.warm = warm
+        if sum(warm.values()) > self.max_sandboxes:
+            raise ValueError("PoolConfig.warm asks for %d sandboxes, more than max_sandboxes=%d"
+                             % (sum(warm.values()), self.max_sandboxes))

@@ -82,6 +82,20 @@ class Provider(abc.ABC):
             return info
         raise fatal("sandbox %s does not exist" % sandbox_id)
 
+    async def probe(self, info: SandboxInfo) -> None:
+        """Raise unless the sandbox's daemon answers a ping and a trivial exec: what
+        READY means. This default connects from here (a TCP address, or a unix socket
+        on this node)."""
+        from sandman_ray.client import AsyncDaemonClient
+        client = await AsyncDaemonClient.connect(info.address, info.token)
+        try:
+            await client.ping()
+            result = await client.exec("true")
+            if result.exit_code != 0:
+                raise transient("sandbox %s: `true` exited %s" % (info.sandbox_id, result.exit_code))
+        finally:
+            client.close()
+
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes), keeping its
         id, and answer once its daemon answers."""

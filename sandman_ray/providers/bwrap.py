@@ -343,8 +343,15 @@ class SandboxProcess:
         return self.address
 
     def _failure(self) -> str:
+        """Stop a sandbox that did not start and say what it printed."""
+        err = ""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            if self.proc.stderr and not self.proc.stderr.closed:
+                err = self.proc.stderr.read().decode(errors="replace").strip()
         self.kill()
-        err = self.proc.stderr.read().decode(errors="replace").strip() if self.proc else ""
         return err[-2000:] or "no output"
 
     @property

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from sandman_ray.errors import ProviderError, SandboxLost
+from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
 from sandman_ray.spec import SandboxSpec
@@ -137,7 +137,8 @@ class NodeAgent:
         return SandboxInfo(
             sandbox_id=sandbox_id, address=sandbox.address, token=sandbox.token,
             node_id=self.node_id, labels=self.labels[sandbox_id], created_at=sandbox.started_at,
-            details={"image": sandbox.image.image, "digest": sandbox.image.digest,
+            details={"image": sandbox.image.image, "spec": sandbox.spec,
+                     "digest": sandbox.image.digest,
                      "unpacked_by": sandbox.image.unpacked_by, "limits": dict(sandbox.applied),
                      "alive": sandbox.alive, "pid": sandbox.proc.pid if sandbox.proc else None})
 
@@ -169,6 +170,11 @@ class NodeAgent:
         from sandman_ray.providers.bwrap import empty_trash
         if self.trash.exists() and any(self.trash.iterdir()):
             empty_trash(self.trash)
+
+    async def probe(self, sandbox_id: str) -> None:
+        """Ping and ``exec true`` through the sandbox's socket, from this node."""
+        from sandman_ray.providers.base import Provider
+        await Provider.probe(self, self._info(sandbox_id))
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()
@@ -246,10 +252,12 @@ class LocalProvider(Provider):
 
     # ---- the Provider interface
     async def create(self, sandbox_id: str, spec: SandboxSpec,
-                     labels: Dict[str, str]) -> SandboxInfo:
+                     labels_given: Dict[str, str]) -> SandboxInfo:
         node = self._where.get(sandbox_id) or await self._pick_node()
         self._where[sandbox_id] = node
-        labels = dict(spec.labels, **labels, **{POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
+        labels = dict(spec.labels)
+        labels.update(labels_given)
+        labels.update({POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
         try:
             return await self.agent(node).create.remote(sandbox_id, spec, labels,
                                                         self.ready_timeout_s)
@@ -294,6 +302,16 @@ class LocalProvider(Provider):
         except ray.exceptions.RayActorError as exc:
             self._agents.pop(node, None)
             raise transient("node agent on %s is gone: %s" % (node, exc)) from exc
+
+    async def probe(self, info: SandboxInfo) -> None:
+        """On the sandbox's node: its unix socket is not reachable from elsewhere."""
+        try:
+            await self.agent(info.node_id).probe.remote(info.sandbox_id)
+        except ray.exceptions.RayActorError as exc:
+            self._agents.pop(info.node_id, None)
+            raise transient("node agent on %s is gone: %s" % (info.node_id, exc)) from exc
+        except (ConnectionError, OSError, SandmanError) as exc:
+            raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
 
     async def shutdown(self) -> int:
         """Delete every sandbox of this pool and stop its agents."""

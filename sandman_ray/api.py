@@ -1,0 +1,133 @@
+"""The public API: pools, acquire and release, a context manager."""
+
+import contextlib
+import os
+import threading
+import uuid
+from typing import Dict, List, Optional, Union
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sandman_ray.errors import AcquireTimeout, SandmanError
+from sandman_ray.handle import SandboxHandle
+from sandman_ray.pool.actor import NAMESPACE, PoolActor, handle_name_prefix, pool_actor_name
+from sandman_ray.spec import PoolConfig, SandboxSpec
+
+SpecLike = Union[SandboxSpec, str]
+MAX_IDLE_HANDLES = 64  # released handles this process keeps for the next acquires
+
+_idle: Dict[str, List] = {}   # node id -> idle handles
+_idle_lock = threading.Lock()
+
+
+def create_pool(name: str = "default", provider=None, *, warm=None, **config):
+    """Create the pool ``name`` (or return it if it exists): a detached actor that
+    outlives this driver. ``config`` takes the fields of ``PoolConfig``."""
+    cfg = PoolConfig(provider=provider, warm=dict(warm or {}), **config)
+    pool = PoolActor.options(name=pool_actor_name(name), namespace=NAMESPACE,
+                             lifetime="detached", get_if_exists=True,
+                             max_concurrency=100000).remote(name, cfg)
+    ray.get(pool.start.remote())
+    return pool
+
+
+def get_pool(name: str = "default"):
+    try:
+        return ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise SandmanError("no pool named %r: create it with sandman_ray.create_pool(%r)"
+                           % (name, name)) from None
+
+
+def shutdown_pool(name: str = "default") -> int:
+    """Delete every sandbox of the pool and stop it; returns how many were deleted."""
+    pool = get_pool(name)
+    deleted = ray.get(pool.shutdown.remote())
+    ray.kill(pool, no_restart=True)
+    return deleted
+
+
+def _client_id() -> str:
+    ctx = ray.get_runtime_context()
+    return "%s/%s" % (ctx.get_job_id(), ctx.get_worker_id()[:12] or os.getpid())
+
+
+def _pool_for(pool: str):
+    try:
+        return get_pool(pool)
+    except SandmanError:
+        if pool != "default":
+            raise
+        return create_pool("default")
+
+
+def _handle_for(node_id: Optional[str], pool: str):
+    with _idle_lock:
+        idle = _idle.get(node_id or "")
+        if idle:
+            return idle.pop()
+    name = handle_name_prefix() + uuid.uuid4().hex[:12]
+    options = {"name": name, "namespace": NAMESPACE}
+    if node_id:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    handle = SandboxHandle.options(**options).remote(name, pool_actor_name(pool))
+    handle._sandman_node = node_id
+    return handle
+
+
+def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
+            client: Optional[str] = None):
+    """Lease a sandbox and return its SandboxHandle actor (use it with ``ray.get``).
+    Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
+    pool_actor = _pool_for(pool)
+    spec = SandboxSpec.of(spec)
+    try:
+        lease = ray.get(pool_actor.lease.remote(spec, client or _client_id(), timeout),
+                        timeout=timeout + 30)
+    except ray.exceptions.GetTimeoutError:
+        raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
+    handle = _handle_for(lease.node_id, pool)
+    ray.get(handle.bind.remote(lease))
+    return handle
+
+
+async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
+                        client: Optional[str] = None):
+    """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
+    pool_actor = _pool_for(pool)
+    lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(), timeout)
+    handle = _handle_for(lease.node_id, pool)
+    await handle.bind.remote(lease)
+    return handle
+
+
+def release(handle) -> None:
+    """End the lease; the sandbox is reset for the next user (or deleted). The handle
+    actor is kept for the next acquire in this process."""
+    ray.get(handle.release.remote())
+    _keep_idle(handle)
+
+
+async def release_async(handle) -> None:
+    await handle.release.remote()
+    _keep_idle(handle)
+
+
+def _keep_idle(handle) -> None:
+    node = getattr(handle, "_sandman_node", None) or ""
+    with _idle_lock:
+        if sum(len(v) for v in _idle.values()) < MAX_IDLE_HANDLES:
+            _idle.setdefault(node, []).append(handle)
+            return
+    ray.kill(handle)
+
+
+@contextlib.contextmanager
+def sandbox(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0):
+    """``with sandman_ray.sandbox("host") as sb: ray.get(sb.exec.remote("ls"))``"""
+    handle = acquire(spec, pool, timeout)
+    try:
+        yield handle
+    finally:
+        release(handle)

@@ -1,0 +1,97 @@
+"""SandboxHandle: the actor through which one client uses one leased sandbox.
+
+Created by the client, so owned by it: the handle dies with its owner (driver, worker
+or actor), and a handle whose last reference is dropped is collected; the pool's
+watchdog then sees its name gone and reclaims the sandbox. A handle runs on its
+sandbox's node (the daemon's unix socket is there), uses ``num_cpus=0`` and one
+asyncio connection with many requests in flight. A released handle is kept idle by the
+client library and bound to the next lease on the same node, so a steady-state acquire
+starts no new actor process.
+"""
+
+import time
+from typing import Optional
+
+import ray
+
+from sandman_ray.client import AsyncDaemonClient
+from sandman_ray.errors import CallTimeout, ConnectionLost, ExecTimeout, SandboxLost, SandmanError
+
+# The daemon operations a handle forwards (see sandman_ray.client for their arguments).
+FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "session_list",
+             "spawn", "proc_status", "proc_list", "proc_output", "proc_wait", "proc_signal",
+             "read_file", "write_file", "stat", "list_dir", "mkdir", "remove", "move",
+             "get_archive", "put_archive")
+TOUCH_EVERY_S = 2.0  # how often a busy handle tells the pool it is in use
+
+
+class _SandboxHandle:
+    def __init__(self, name: str, pool_actor_name: str):
+        self.name = name
+        self.pool_actor_name = pool_actor_name
+        self.lease = None
+        self.client: Optional[AsyncDaemonClient] = None
+        self.touched = 0.0
+
+    def _pool(self):
+        from sandman_ray.pool.actor import NAMESPACE
+        return ray.get_actor(self.pool_actor_name, namespace=NAMESPACE)
+
+    async def bind(self, lease) -> str:
+        """Take ``lease``: connect to its daemon and register with the pool."""
+        if self.client is not None:
+            self.client.close()
+        self.lease, self.client = lease, None
+        try:
+            self.client = await AsyncDaemonClient.connect(lease.address, lease.token)
+        except ConnectionLost as exc:
+            raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
+        if not await self._pool().register.remote(lease.lease_id, self.name):
+            raise SandboxLost("lease %s of sandbox %s ended before it was taken"
+                              % (lease.lease_id, lease.sandbox_id))
+        return self.name
+
+    async def release(self) -> bool:
+        """End the lease; the handle is idle afterwards, ready for another."""
+        lease, self.lease = self.lease, None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if lease is None:
+            return False
+        return await self._pool().release.remote(lease.lease_id)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def sandbox_id(self) -> Optional[str]:
+        return self.lease.sandbox_id if self.lease else None
+
+    async def _call(self, op: str, args, kwargs):
+        if self.client is None or self.lease is None:
+            raise SandmanError("handle %s holds no sandbox (released?)" % self.name)
+        now = time.monotonic()
+        if now - self.touched > TOUCH_EVERY_S:
+            self.touched = now
+            self._pool().touch.remote(self.lease.lease_id)
+        try:
+            return await getattr(self.client, op)(*args, **kwargs)
+        except ConnectionLost as exc:
+            raise SandboxLost("sandbox %s is gone (%s during %s)"
+                              % (self.lease.sandbox_id, exc, op)) from exc
+        except CallTimeout as exc:
+            raise ExecTimeout("%s on sandbox %s: %s" % (op, self.lease.sandbox_id, exc)) from exc
+
+
+def _forward(op: str):
+    async def method(self, *args, **kwargs):
+        return await self._call(op, args, kwargs)
+    method.__name__ = op
+    method.__doc__ = "Forwarded to the daemon: see DaemonClient.%s." % op
+    return method
+
+
+for _op in FORWARDED:
+    setattr(_SandboxHandle, _op, _forward(_op))
+
+SandboxHandle = ray.remote(num_cpus=0, max_restarts=0)(_SandboxHandle)

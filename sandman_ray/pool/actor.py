@@ -1,0 +1,523 @@
+"""The PoolActor: one detached, named actor per pool, a reconciler.
+
+Each tick compares what is wanted (waiters + warm targets per spec) with what exists
+and takes the next step: lend READY sandboxes to waiters (clients in turn), start
+creates (paced by an adaptive token bucket and a cap on starts in flight), reset or
+delete released sandboxes, delete surplus. State transitions happen only through
+``Sandbox.to``; side effects only through the provider.
+
+The watchdog sweeps every ``sweep_interval_s``: a lease whose handle actor is gone
+(one ``list_named_actors`` call per sweep, never a reference to the handle, which would
+keep it alive), that never registered a handle within the grace, or that outlived its
+TTL or idle timeout, is reclaimed.
+
+Leases are written to Ray's GCS key-value store, so a restarted PoolActor rebuilds its
+state from the provider's labelled inventory and those records: live leases go on, the
+rest is reclaimed, nothing is leased twice.
+"""
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from typing import Dict, List, Optional
+
+import ray
+
+from sandman_ray.errors import AcquireTimeout, ProviderError
+from sandman_ray.pool.pacing import AdaptiveTokenBucket
+from sandman_ray.pool.states import COMING, Lease, Sandbox, State, counts
+from sandman_ray.pool.waiters import FairQueue, Waiter
+from sandman_ray.providers.base import POOL_LABEL
+from sandman_ray.spec import PoolConfig, SandboxSpec
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "sandman"
+KV_NAMESPACE = "sandman"
+TICK_S = 0.05          # reconcile at least this often while anything is pending
+CREATE_ATTEMPTS = 3    # transient failures of one create before it counts as failed
+EVENT_LOG = 1000       # transitions kept for ``events``
+
+
+def pool_actor_name(pool: str) -> str:
+    return "sandman:pool:%s" % pool
+
+
+def handle_name_prefix() -> str:
+    return "sandman:sbx:"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class PoolActor:
+    def __init__(self, name: str, config: PoolConfig):
+        from sandman_ray.providers.local import LocalProvider
+        self.name = name
+        self.config = config
+        self.provider = config.provider if config.provider is not None else LocalProvider()
+        if hasattr(self.provider, "bind"):
+            self.provider.bind(name)
+        self.records: Dict[str, Sandbox] = {}
+        self.leases: Dict[str, str] = {}   # lease id -> sandbox id
+        self.waiters = FairQueue()
+        self.bucket = AdaptiveTokenBucket(config.create_rate_per_s, config.create_burst)
+        self.events: List[tuple] = []
+        self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
+                      "throttled": 0, "reclaimed": 0, "leases": 0}
+        self.create_times: List[float] = []
+        self.wake: Optional[asyncio.Event] = None
+        self.started = False
+        self.recovered: Optional[asyncio.Future] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _ensure_started(self) -> None:
+        if not self.started:
+            self.started = True
+            self.wake = asyncio.Event()
+            self.recovered = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._run())
+        await asyncio.shield(self.recovered)
+
+    async def start(self) -> str:
+        await self._ensure_started()
+        return self.name
+
+    async def _run(self) -> None:
+        try:
+            await self._recover()
+        except Exception as exc:  # the pool must still serve; say what was lost
+            logger.exception("pool %s: recovery failed: %s", self.name, exc)
+        self.recovered.set_result(None)
+        next_sweep = 0.0
+        while True:
+            try:
+                self._tick()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self.config.sweep_interval_s
+                    await self._sweep()
+            except Exception:
+                logger.exception("pool %s: reconcile failed", self.name)
+            try:
+                await asyncio.wait_for(self.wake.wait(), TICK_S if self._busy() else
+                                       self.config.sweep_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+
+    def _kick(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    def _busy(self) -> bool:
+        return bool(len(self.waiters)) or any(
+            r.state in (State.REQUESTED, State.RELEASING) for r in self.records.values())
+
+    # ------------------------------------------------------------------ client calls
+    async def lease(self, spec: SandboxSpec, client: str, timeout_s: float) -> Lease:
+        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``."""
+        await self._ensure_started()
+        spec = SandboxSpec.of(spec)
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(client, spec, loop.create_future(), "L-" + uuid.uuid4().hex[:12],
+                        time.monotonic() + timeout_s, time.monotonic())
+        self.waiters.push(waiter)
+        self._kick()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except asyncio.TimeoutError:
+            self.waiters.remove(waiter)
+            if waiter.future.done() and not waiter.future.exception():
+                return waiter.future.result()  # lent as the timeout fired: keep it
+            raise AcquireTimeout("pool %s: no %s sandbox within %.1f s (%s)"
+                                 % (self.name, spec.image, timeout_s, self._summary()))
+        except asyncio.CancelledError:
+            # the caller went away: a sandbox lent meanwhile is reclaimed by the grace
+            self.waiters.remove(waiter)
+            raise
+
+    async def register(self, lease_id: str, handle: str) -> bool:
+        """The handle actor ``handle`` now holds ``lease_id``. False: the lease is over."""
+        await self._ensure_started()
+        rec = self._leased(lease_id)
+        if rec is None:
+            return False
+        rec.handle = handle
+        rec.last_used = time.monotonic()
+        self._persist(rec)
+        return True
+
+    async def touch(self, lease_id: str) -> bool:
+        rec = self._leased(lease_id)
+        if rec is not None:
+            rec.last_used = time.monotonic()
+        return rec is not None
+
+    async def release(self, lease_id: str) -> bool:
+        await self._ensure_started()
+        rec = self._leased(lease_id)
+        if rec is None:
+            return False
+        self._end_lease(rec, "released")
+        return True
+
+    async def status(self) -> dict:
+        await self._ensure_started()
+        now = time.monotonic()
+        leased = [r for r in self.records.values() if r.state is State.LEASED]
+        per_client: Dict[str, int] = {}
+        for rec in leased:
+            per_client[rec.client] = per_client.get(rec.client, 0) + 1
+        return {"pool": self.name, "states": counts(self.records), "waiters": len(self.waiters),
+                "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
+                "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
+                "leases_per_client": per_client}
+
+    async def list_sandboxes(self) -> List[dict]:
+        now = time.monotonic()
+        return [{"sandbox_id": r.sandbox_id, "state": r.state.value, "image": r.spec.image,
+                 "node_id": getattr(r.info, "node_id", None), "client": r.client,
+                 "handle": r.handle, "age_s": now - r.since,
+                 "lease_id": r.lease.lease_id if r.lease else None}
+                for r in self.records.values()]
+
+    async def recent_events(self, limit: int = 100) -> List[tuple]:
+        return self.events[-limit:]
+
+    async def shutdown(self) -> int:
+        """Delete every sandbox of the pool (leases end); returns how many."""
+        await self._ensure_started()
+        for waiter in list(self.waiters.waiting()):
+            if not waiter.future.done():
+                waiter.future.set_exception(AcquireTimeout("pool %s is shutting down" % self.name))
+        recs = list(self.records.values())
+        await asyncio.gather(*(self._delete(r, "pool shutdown", wait=True) for r in recs),
+                             return_exceptions=True)
+        if hasattr(self.provider, "shutdown"):
+            await self.provider.shutdown()
+        return len(recs)
+
+    # ------------------------------------------------------------------ reconcile
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._expire_waiters(now)
+        self._lend()
+        self._release_ended()
+        self._create_missing()
+        self._delete_surplus()
+
+    def _expire_waiters(self, now: float) -> None:
+        for waiter in list(self.waiters.waiting()):
+            if waiter.future.done() or waiter.deadline < now:
+                self.waiters.remove(waiter)
+
+    def _held_by(self, client: str) -> int:
+        return sum(1 for r in self.records.values() if r.state is State.LEASED and r.client == client)
+
+    def _allowed(self, client: str) -> bool:
+        quota = self.config.client_quota
+        return quota is None or self._held_by(client) < quota
+
+    def _lend(self) -> None:
+        ready: Dict[SandboxSpec, List[Sandbox]] = {}
+        for rec in self.records.values():
+            if rec.state is State.READY:
+                ready.setdefault(rec.spec, []).append(rec)
+        for spec, recs in ready.items():
+            recs.sort(key=lambda r: r.since)
+            while recs:
+                waiter = self.waiters.next_for(spec, self._allowed)
+                if waiter is None:
+                    break
+                rec = recs.pop(0)
+                lease = Lease(waiter.lease_id, rec.sandbox_id, rec.info.address, rec.info.token,
+                              rec.info.node_id, self.name, rec.spec)
+                rec.lease, rec.client, rec.handle = lease, waiter.client, None
+                rec.leased_at = rec.last_used = time.monotonic()
+                self._to(rec, State.LEASED, "lent to %s" % waiter.client)
+                self.leases[lease.lease_id] = rec.sandbox_id
+                self.stats["leases"] += 1
+                self._persist(rec)
+                waiter.future.set_result(lease)
+
+    def _wanted(self) -> Dict[SandboxSpec, int]:
+        wanted: Dict[SandboxSpec, int] = dict(self.config.warm)
+        for waiter in self.waiters.waiting():
+            if not waiter.future.done() and self._allowed(waiter.client):
+                wanted[waiter.spec] = wanted.get(waiter.spec, 0) + 1
+        return wanted
+
+    def _create_missing(self) -> None:
+        have: Dict[SandboxSpec, int] = {}
+        for rec in self.records.values():
+            if rec.state is State.READY or rec.state in COMING:
+                have[rec.spec] = have.get(rec.spec, 0) + 1
+        held = sum(1 for r in self.records.values() if r.state is not State.GONE)
+        starting = sum(1 for r in self.records.values()
+                       if r.state in (State.CREATING, State.STARTING))
+        for spec, count in self._wanted().items():
+            for _ in range(count - have.get(spec, 0)):
+                if held >= self.config.max_sandboxes or starting >= self.config.max_starting:
+                    return
+                if not self.bucket.take():
+                    asyncio.get_running_loop().call_later(self.bucket.wait_s(), self._kick)
+                    return
+                rec = Sandbox("sbx-" + uuid.uuid4().hex[:12], spec)
+                self.records[rec.sandbox_id] = rec
+                self._event(rec, "requested")
+                held += 1
+                starting += 1
+                asyncio.get_running_loop().create_task(self._create(rec))
+
+    def _delete_surplus(self) -> None:
+        wanted = self._wanted()
+        ready: Dict[SandboxSpec, List[Sandbox]] = {}
+        for rec in self.records.values():
+            if rec.state is State.READY:
+                ready.setdefault(rec.spec, []).append(rec)
+        for spec, recs in ready.items():
+            coming = sum(1 for r in self.records.values() if r.spec == spec and r.state in COMING)
+            extra = len(recs) + coming - wanted.get(spec, 0)
+            for rec in sorted(recs, key=lambda r: r.since)[:max(0, min(extra, len(recs)))]:
+                self._delete_soon(rec, "surplus")
+
+    def _release_ended(self) -> None:
+        wanted = self._wanted()
+        have: Dict[SandboxSpec, int] = {}
+        for rec in self.records.values():
+            if rec.state is State.READY or rec.state in COMING:
+                have[rec.spec] = have.get(rec.spec, 0) + 1
+        for rec in list(self.records.values()):
+            if rec.state is not State.RELEASING:
+                continue
+            # reset it if its spec is still wanted beyond what is ready or coming
+            keep = (self.config.reuse == "reset" and self.provider.supports_reset
+                    and have.get(rec.spec, 0) < wanted.get(rec.spec, 0))
+            if keep:
+                have[rec.spec] = have.get(rec.spec, 0) + 1
+                self._to(rec, State.RESETTING)
+                asyncio.get_running_loop().create_task(self._reset(rec))
+            else:
+                self._delete_soon(rec, "released")
+
+    # ------------------------------------------------------------------ side effects
+    async def _create(self, rec: Sandbox) -> None:
+        labels = {POOL_LABEL: self.name}
+        self._to(rec, State.CREATING)
+        started = time.monotonic()
+        while True:
+            rec.attempts += 1
+            try:
+                rec.info = await asyncio.wait_for(
+                    self.provider.create(rec.sandbox_id, rec.spec, labels),
+                    self.config.ready_timeout_s)
+                if rec.state is not State.CREATING:  # deleted meanwhile (pool shutdown)
+                    await self._provider_delete(rec)
+                    return
+                self._to(rec, State.STARTING)
+                await asyncio.wait_for(self.provider.probe(rec.info), self.config.ready_timeout_s)
+                if rec.state is not State.STARTING:
+                    return
+                break
+            except Exception as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = ProviderError("not ready within %.0f s" % self.config.ready_timeout_s,
+                                        "transient")
+                elif not isinstance(exc, ProviderError):  # a bug, not the cluster's weather
+                    logger.exception("pool %s: create %s failed", self.name, rec.sandbox_id)
+                    exc = ProviderError("%s: %s" % (type(exc).__name__, exc), "fatal")
+                kind = exc.kind
+                if kind == "throttled":
+                    self.stats["throttled"] += 1
+                if kind in ("throttled", "transient"):
+                    self.bucket.back_off()
+                if rec.state not in (State.CREATING, State.STARTING):
+                    return  # deleted meanwhile: nothing left to do
+                if kind == "fatal" or rec.attempts >= CREATE_ATTEMPTS:
+                    self.stats["create_failures"] += 1
+                    self._fail_waiters(rec.spec, exc)
+                    await self._delete(rec, "create failed: %s" % exc)
+                    return
+                if rec.state is State.STARTING:
+                    await self._provider_delete(rec)
+                    self._to(rec, State.CREATING, "retry: %s" % exc)
+                # back off with jitter; the token bucket slows everyone else down too
+                await asyncio.sleep(min(5.0, 0.2 * 2 ** rec.attempts) * random.uniform(0.5, 1.5))
+        self.bucket.succeeded()
+        self.stats["creates"] += 1
+        self.create_times.append(time.monotonic() - started)
+        del self.create_times[:-1000]
+        self._to(rec, State.READY, "answers after %.2f s" % (time.monotonic() - started))
+        self._kick()
+
+    def _fail_waiters(self, spec: SandboxSpec, exc: Exception) -> None:
+        """A create failed for good: a fatal error (a bad image) fails the waiters for that
+        spec at once, with the reason, rather than letting them time out."""
+        if getattr(exc, "kind", "") != "fatal":
+            return
+        for waiter in list(self.waiters.waiting()):
+            if waiter.spec == spec and not waiter.future.done():
+                waiter.future.set_exception(ProviderError(str(exc), "fatal"))
+
+    async def _reset(self, rec: Sandbox) -> None:
+        try:
+            rec.info = await asyncio.wait_for(self.provider.reset(rec.sandbox_id),
+                                              self.config.ready_timeout_s)
+            await asyncio.wait_for(self.provider.probe(rec.info), self.config.ready_timeout_s)
+        except Exception as exc:
+            if rec.state is State.RESETTING:
+                await self._delete(rec, "reset failed: %s" % exc)
+            return
+        if rec.state is not State.RESETTING:
+            return
+        self.stats["resets"] += 1
+        self._to(rec, State.READY, "reset")
+        self._kick()
+
+    def _begin_delete(self, rec: Sandbox, reason: str) -> bool:
+        """The state side of a delete, at once (so no tick can lend the sandbox while
+        the provider deletes it). False if it is already being deleted."""
+        if rec.state in (State.DELETING, State.GONE):
+            return False
+        if rec.state is State.LEASED:
+            self._end_lease(rec, reason, reuse=False)
+        if rec.state not in (State.READY, State.RELEASING, State.FAILED):
+            self._to(rec, State.FAILED, reason)
+        self._to(rec, State.DELETING, reason)
+        return True
+
+    def _delete_soon(self, rec: Sandbox, reason: str) -> None:
+        if self._begin_delete(rec, reason):
+            asyncio.get_running_loop().create_task(self._finish_delete(rec, reason))
+
+    async def _delete(self, rec: Sandbox, reason: str, wait: bool = False) -> None:
+        if self._begin_delete(rec, reason):
+            await self._finish_delete(rec, reason)
+
+    async def _finish_delete(self, rec: Sandbox, reason: str) -> None:
+        await self._provider_delete(rec)
+        self.stats["deletes"] += 1
+        self._to(rec, State.GONE, reason)
+        self.records.pop(rec.sandbox_id, None)
+        self._kick()
+
+    async def _provider_delete(self, rec: Sandbox) -> None:
+        for attempt in range(5):
+            try:
+                await self.provider.delete(rec.sandbox_id)
+                return
+            except Exception as exc:  # a delete must not be forgotten: retry, then say so
+                logger.warning("pool %s: delete %s failed (%s), retrying", self.name,
+                               rec.sandbox_id, exc)
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        logger.error("pool %s: could not delete %s", self.name, rec.sandbox_id)
+
+    def _end_lease(self, rec: Sandbox, reason: str, reuse: bool = True) -> None:
+        if rec.lease is not None:
+            self.leases.pop(rec.lease.lease_id, None)
+            self._forget(rec)
+        rec.lease, rec.client, rec.handle = None, None, None
+        if reuse:
+            self._to(rec, State.RELEASING, reason)
+        self._kick()
+
+    def _leased(self, lease_id: str) -> Optional[Sandbox]:
+        rec = self.records.get(self.leases.get(lease_id, ""))
+        return rec if rec is not None and rec.state is State.LEASED else None
+
+    def _to(self, rec: Sandbox, state: State, reason: str = "") -> None:
+        rec.to(state, reason)
+        self._event(rec, state.value, reason)
+
+    def _event(self, rec: Sandbox, what: str, reason: str = "") -> None:
+        self.events.append((time.time(), rec.sandbox_id, what, reason))
+        del self.events[:-EVENT_LOG]
+
+    def _summary(self) -> str:
+        c = counts(self.records)
+        return ", ".join("%s %d" % (k, v) for k, v in c.items() if v) or "no sandboxes"
+
+    # ------------------------------------------------------------------ watchdog
+    async def _sweep(self) -> None:
+        leased = [r for r in self.records.values() if r.state is State.LEASED]
+        if not leased:
+            return
+        names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
+        now = time.monotonic()
+        for rec in leased:
+            if rec.state is not State.LEASED:
+                continue
+            why = None
+            if rec.handle is None and now - rec.leased_at > self.config.lease_grace_s:
+                why = "no handle registered within %.0f s" % self.config.lease_grace_s
+            elif rec.handle is not None and rec.handle not in names:
+                why = "handle %s is gone" % rec.handle
+            elif self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
+                why = "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s
+            elif self.config.idle_timeout_s and now - rec.last_used > self.config.idle_timeout_s:
+                why = "idle for %.0f s" % self.config.idle_timeout_s
+            if why:
+                self.stats["reclaimed"] += 1
+                self._end_lease(rec, "reclaimed: " + why)
+
+    # ------------------------------------------------------------------ persistence
+    def _kv_key(self, sandbox_id: str) -> str:
+        return "pool:%s:lease:%s" % (self.name, sandbox_id)
+
+    def _persist(self, rec: Sandbox) -> None:
+        from ray.experimental import internal_kv
+        lease = rec.lease
+        internal_kv._internal_kv_put(self._kv_key(rec.sandbox_id), json.dumps({
+            "lease_id": lease.lease_id, "client": rec.client, "handle": rec.handle,
+            "leased_wall": time.time() - (time.monotonic() - rec.leased_at)}),
+            namespace=KV_NAMESPACE)
+
+    def _forget(self, rec: Sandbox) -> None:
+        from ray.experimental import internal_kv
+        internal_kv._internal_kv_del(self._kv_key(rec.sandbox_id), namespace=KV_NAMESPACE)
+
+    async def _recover(self) -> None:
+        """After a restart: adopt the provider's sandboxes of this pool; leases whose
+        handle lives on (or may still register) continue, the rest is released."""
+        from ray.experimental import internal_kv
+        infos = await self.provider.list({POOL_LABEL: self.name})
+        if not infos:
+            return
+        names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
+        now_wall, now = time.time(), time.monotonic()
+        for info in infos:
+            spec = _spec_of(info)
+            rec = Sandbox(info.sandbox_id, spec, info=info)
+            raw = internal_kv._internal_kv_get(self._kv_key(info.sandbox_id), namespace=KV_NAMESPACE)
+            record = json.loads(raw) if raw else None
+            rec.state = State.READY
+            self.records[rec.sandbox_id] = rec
+            if record is not None:
+                age = now_wall - record["leased_wall"]
+                alive = record["handle"] in names if record["handle"] else \
+                    age < self.config.lease_grace_s
+                rec.lease = Lease(record["lease_id"], info.sandbox_id, info.address, info.token,
+                                  info.node_id, self.name, spec)
+                rec.client, rec.handle = record["client"], record["handle"]
+                rec.leased_at = rec.last_used = now - age
+                rec.state = State.LEASED
+                self.leases[rec.lease.lease_id] = rec.sandbox_id
+                if not alive:
+                    self._end_lease(rec, "recovered without a live handle")
+            self._event(rec, "recovered as %s" % rec.state.value)
+        logger.info("pool %s: recovered %d sandboxes", self.name, len(infos))
+
+
+def _spec_of(info) -> SandboxSpec:
+    """The spec a sandbox was created from, as its provider reports it."""
+    spec = (info.details or {}).get("spec")
+    if isinstance(spec, SandboxSpec):
+        return spec
+    return SandboxSpec(image=(info.details or {}).get("image", "host"))
+
+
+def _live_handle_names() -> set:
+    prefix = handle_name_prefix()
+    return {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefix)}

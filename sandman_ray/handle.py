@@ -39,9 +39,11 @@ class _SandboxHandle:
 
     async def bind(self, lease) -> str:
         """Take ``lease``: connect to its daemon and register with the pool."""
+        from sandman_ray.pool.actor import pool_actor_name
         if self.client is not None:
             self.client.close()
         self.lease, self.client = lease, None
+        self.pool_actor_name = pool_actor_name(lease.pool)  # an idle handle serves any pool
         try:
             self.client = await AsyncDaemonClient.connect(lease.address, lease.token)
         except ConnectionLost as exc:

@@ -19,6 +19,7 @@ rest is reclaimed, nothing is leased twice.
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -169,7 +170,8 @@ class PoolActor:
         per_client: Dict[str, int] = {}
         for rec in leased:
             per_client[rec.client] = per_client.get(rec.client, 0) + 1
-        return {"pool": self.name, "states": counts(self.records), "waiters": len(self.waiters),
+        return {"pool": self.name, "pid": os.getpid(), "states": counts(self.records),
+                "waiters": len(self.waiters),
                 "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
                 "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
                 "leases_per_client": per_client}
@@ -330,6 +332,7 @@ class PoolActor:
                 kind = exc.kind
                 if kind == "throttled":
                     self.stats["throttled"] += 1
+                    rec.attempts -= 1  # the cluster said "later", not "no": not a failure
                 if kind in ("throttled", "transient"):
                     self.bucket.back_off()
                 if rec.state not in (State.CREATING, State.STARTING):

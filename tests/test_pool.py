@@ -1,0 +1,267 @@
+"""The pool, its handles and the public API on a real local Ray with the LocalProvider:
+owners that die, handles that are dropped, acquires that time out or are cancelled,
+a pool actor that is killed, a provider that throttles."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import ray
+
+import sandman_ray as sandman
+from sandman_ray.providers.base import POOL_LABEL
+from conftest import ROOT, require_bwrap, wait_until
+
+STATE = "/tmp/sandman-ray-test/pool-state"
+CACHE = str(ROOT / ".cache" / "provider")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_bwrap()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-pool-tests")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def image(busybox_rootfs):
+    return "dir:%s" % busybox_rootfs
+
+
+def make_pool(provider=None, **config):
+    name = "p-" + uuid.uuid4().hex[:8]
+    config.setdefault("sweep_interval_s", 0.2)
+    config.setdefault("lease_grace_s", 3.0)
+    provider = provider or sandman.LocalProvider(state_root=STATE, cache_root=CACHE)
+    sandman.create_pool(name, provider=provider, **config)
+    return name
+
+
+@pytest.fixture
+def pool(cluster):
+    name = make_pool()
+    yield name
+    sandman.shutdown_pool(name)
+
+
+def states(pool):
+    return ray.get(sandman.get_pool(pool).status.remote())["states"]
+
+
+def test_acquire_exec_release_and_context_manager(pool, image):
+    sb = sandman.acquire(image, pool=pool, timeout=60)
+    assert ray.get(sb.exec.remote("echo hi")).stdout == b"hi\n"
+    ray.get(sb.run.remote("cd /tmp && export A=1"))
+    assert ray.get(sb.run.remote("echo $A $(pwd)")).stdout == b"1 /tmp\n"
+    ray.get(sb.write_file.remote("/tmp/x", b"data"))
+    assert ray.get(sb.read_file.remote("/tmp/x")) == b"data"
+    pid = ray.get(sb.spawn.remote("sleep 100"))
+    assert ray.get(sb.proc_status.remote(pid)).running
+    sandman.release(sb)
+    with sandman.sandbox(image, pool=pool) as sb2:
+        assert ray.get(sb2.exec.remote("ls /tmp/x")).exit_code != 0  # a reset sandbox
+    assert states(pool)["leased"] == 0
+
+
+def test_steady_state_acquire_reuses_the_idle_handle(cluster, image):
+    pool = make_pool(warm={image: 1})
+    try:
+        first = sandman.acquire(image, pool=pool)
+        actor_id = first._actor_id
+        sandman.release(first)
+        second = sandman.acquire(image, pool=pool)
+        assert second._actor_id == actor_id  # no new actor process
+        assert ray.get(second.exec.remote("true")).exit_code == 0
+        sandman.release(second)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_warm_pool_is_kept_ready(cluster, image):
+    pool = make_pool(warm={image: 3})
+    try:
+        wait_until(lambda: states(pool)["ready"] == 3, timeout=30, what="3 warm sandboxes")
+        with sandman.sandbox(image, pool=pool):
+            wait_until(lambda: states(pool)["ready"] == 3, timeout=30, what="the warm set refilled")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_bad_image_fails_the_acquire_with_the_reason(pool):
+    with pytest.raises(sandman.ProviderError, match="not an OCI layout"):
+        sandman.acquire("oci:/no/such/layout", pool=pool, timeout=30)
+
+
+def test_acquire_timeout_is_raised_and_loses_nothing(cluster, image):
+    pool = make_pool(max_sandboxes=1)
+    try:
+        held = sandman.acquire(image, pool=pool)
+        started = time.monotonic()
+        with pytest.raises(sandman.AcquireTimeout, match="within 0.5 s"):
+            sandman.acquire(image, pool=pool, timeout=0.5)
+        assert time.monotonic() - started < 5
+        sandman.release(held)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+DRIVER = textwrap.dedent("""
+    import sys, time, ray, sandman_ray as sandman
+    ray.init(address=sys.argv[1], namespace="sandman-pool-tests")
+    handles = [sandman.acquire(sys.argv[3], pool=sys.argv[2], timeout=120)
+               for _ in range(int(sys.argv[4]))]
+    ray.get([h.exec.remote("true") for h in handles])
+    print("holding", flush=True)
+    time.sleep(600)
+""")
+
+
+def provider_sandboxes(pool):
+    """What the provider itself runs for ``pool`` (not what the pool believes)."""
+    import asyncio
+    p = sandman.LocalProvider(state_root=STATE, cache_root=CACHE).bind(pool)
+    return asyncio.run(p.list({POOL_LABEL: pool}))
+
+
+def test_sigkilled_driver_leaves_no_leased_sandbox(cluster, image):
+    pool = make_pool(max_starting=32)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, cluster, pool, image, "20"],
+                                stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+        for line in proc.stdout:  # Ray's own log lines may come first
+            if line.strip() == "holding":
+                break
+        else:
+            raise AssertionError("the driver exited before holding its sandboxes")
+        assert states(pool)["leased"] == 20
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=5,
+                   what="every lease of the dead driver to be reclaimed")
+        reclaimed_in = time.monotonic() - killed
+        # the provider runs nothing leased: only warm (reset, unleased) ones or none
+        wait_until(lambda: all(s == "ready" for s in _pool_states(pool)), timeout=30,
+                   what="reclaimed sandboxes to settle")
+        assert len(provider_sandboxes(pool)) == len(_pool_states(pool))
+        assert reclaimed_in <= 5
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def _pool_states(pool):
+    return [s["state"] for s in ray.get(sandman.get_pool(pool).list_sandboxes.remote())]
+
+
+def test_killed_rollout_worker_releases_its_sandboxes(cluster, image):
+    pool = make_pool()
+
+    @ray.remote(num_cpus=0)
+    class RolloutWorker:
+        def start(self, pool, image):
+            self.handles = [sandman.acquire(image, pool=pool) for _ in range(3)]
+            return ray.get([h.exec.remote("true") for h in self.handles])
+
+    try:
+        worker = RolloutWorker.remote()
+        ray.get(worker.start.remote(pool, image))
+        assert states(pool)["leased"] == 3
+        ray.kill(worker)
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=5,
+                   what="the dead worker's leases to be reclaimed")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_dropped_handle_is_reclaimed(cluster, image):
+    pool = make_pool()
+    try:
+        sb = sandman.acquire(image, pool=pool)
+        assert ray.get(sb.exec.remote("true")).exit_code == 0
+        assert states(pool)["leased"] == 1
+        del sb  # the last reference: Ray collects the handle actor
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=10,
+                   what="the forgotten handle's lease to be reclaimed")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_timed_out_and_cancelled_acquires_lose_track_of_nothing(cluster, image):
+    pool = make_pool(max_starting=32, lease_grace_s=2.0)
+    actor = sandman.get_pool(pool)
+    spec = sandman.SandboxSpec(image=image)
+    try:
+        quick = [actor.lease.remote(spec, "impatient", 0.1) for _ in range(200)]
+        timed_out = 0
+        for ref in quick:
+            try:
+                ray.get(ref)  # lent in time: never taken by a handle, reclaimed after grace
+            except sandman.AcquireTimeout:
+                timed_out += 1
+        assert timed_out > 100  # a cold pool cannot serve 200 within 0.1 s
+        cancelled = [actor.lease.remote(spec, "canceller", 30) for _ in range(200)]
+        for ref in cancelled:
+            ray.cancel(ref)
+        for ref in cancelled:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError):
+                pass
+        # leases handed out to callers that never took them end after the grace
+        wait_until(lambda: states(pool)["leased"] == 0 and all(
+            s in ("ready",) for s in _pool_states(pool)), timeout=60,
+            what="every sandbox to be warm and unleased or gone")
+        assert sorted(i.sandbox_id for i in provider_sandboxes(pool)) == sorted(
+            s["sandbox_id"] for s in ray.get(actor.list_sandboxes.remote()))
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_pool_actor_restart_keeps_live_leases(cluster, image):
+    pool = make_pool()
+    try:
+        handles = [sandman.acquire(image, pool=pool) for _ in range(3)]
+        held = {ray.get(h.sandbox_id.remote()) for h in handles}
+        before = ray.get(sandman.get_pool(pool).status.remote())["pid"]
+        ray.kill(sandman.get_pool(pool), no_restart=False)
+        wait_until(lambda: _pid(pool) not in (None, before), timeout=30,
+                   what="the pool actor to come back in a new process")
+        assert states(pool)["leased"] == 3
+        for h in handles:
+            assert ray.get(h.exec.remote("echo ok")).stdout == b"ok\n"
+        more = [sandman.acquire(image, pool=pool) for _ in range(3)]
+        assert held.isdisjoint({ray.get(h.sandbox_id.remote()) for h in more})
+        for h in handles + more:
+            sandman.release(h)
+        wait_until(lambda: states(pool)["leased"] == 0, what="all released")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def _pid(pool):
+    try:
+        return ray.get(sandman.get_pool(pool).status.remote(), timeout=2)["pid"]
+    except (ray.exceptions.RayError, sandman.SandmanError):
+        return None  # restarting
+
+
+def test_throttling_provider_slows_the_pool_without_failing_acquires(cluster, image):
+    from sandman_ray.providers.faults import FaultyProvider
+    inner = sandman.LocalProvider(state_root=STATE, cache_root=CACHE)
+    pool = make_pool(provider=FaultyProvider(inner, throttle_first=8),
+                     create_rate_per_s=20, create_burst=5)
+    try:
+        handles = [sandman.acquire(image, pool=pool, timeout=120) for _ in range(6)]
+        status = ray.get(sandman.get_pool(pool).status.remote())
+        assert status["stats"]["throttled"] == 8 and status["stats"]["create_failures"] == 0
+        assert status["create_rate_per_s"] < 20  # backed off, growing back
+        for h in handles:
+            sandman.release(h)
+    finally:
+        sandman.shutdown_pool(pool)

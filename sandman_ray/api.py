@@ -62,18 +62,25 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
-def _handle_for(node_id: Optional[str], pool: str):
+def _handle_for(node_id: Optional[str], pool: str, name: str):
+    """An idle handle of this process on ``node_id``, else a new one named ``name``."""
     with _idle_lock:
         idle = _idle.get(node_id or "")
         if idle:
             return idle.pop()
-    name = handle_name_prefix() + uuid.uuid4().hex[:12]
     options = {"name": name, "namespace": NAMESPACE}
     if node_id:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     handle = SandboxHandle.options(**options).remote(name, pool_actor_name(pool))
     handle._sandman_node = node_id
+    handle._sandman_name = name
     return handle
+
+
+def _new_handle_name() -> str:
+    """Named before the lease is asked for, so the pool watches the holder from the
+    start. If an idle handle takes the lease instead, its registration corrects it."""
+    return handle_name_prefix() + uuid.uuid4().hex[:12]
 
 
 def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
@@ -82,12 +89,13 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
     Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
     pool_actor = _pool_for(pool)
     spec = SandboxSpec.of(spec)
+    name = _new_handle_name()
     try:
-        lease = ray.get(pool_actor.lease.remote(spec, client or _client_id(), timeout),
+        lease = ray.get(pool_actor.lease.remote(spec, client or _client_id(), timeout, name),
                         timeout=timeout + 30)
     except ray.exceptions.GetTimeoutError:
         raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
-    handle = _handle_for(lease.node_id, pool)
+    handle = _handle_for(lease.node_id, pool, name)
     ray.get(handle.bind.remote(lease))
     return handle
 
@@ -96,8 +104,10 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
                         client: Optional[str] = None):
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     pool_actor = _pool_for(pool)
-    lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(), timeout)
-    handle = _handle_for(lease.node_id, pool)
+    name = _new_handle_name()
+    lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(), timeout,
+                                          name)
+    handle = _handle_for(lease.node_id, pool, name)
     await handle.bind.remote(lease)
     return handle
 

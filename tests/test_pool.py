@@ -265,3 +265,64 @@ def test_throttling_provider_slows_the_pool_without_failing_acquires(cluster, im
             sandman.release(h)
     finally:
         sandman.shutdown_pool(pool)
+
+
+CLIENT = textwrap.dedent("""
+    import sys, time, ray, sandman_ray as sandman
+    ray.init(address=sys.argv[1], namespace="sandman-pool-tests")
+    n = int(sys.argv[4])
+    print("go", flush=True)
+    sys.stdin.readline()  # every client starts at the same moment
+    start = time.monotonic()
+    refs = [sandman.acquire_async(sys.argv[3], pool=sys.argv[2], timeout=300) for _ in range(n)]
+    import asyncio
+    async def main():
+        handles = await asyncio.gather(*refs)
+        results = await asyncio.gather(*[h.exec.remote("true") for h in handles])
+        assert all(r.exit_code == 0 for r in results)
+        return handles
+    handles = asyncio.run(main())
+    print("done %.3f" % (time.monotonic() - start), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_clients_are_served_fairly_and_creates_are_paced(cluster, image):
+    """4 client processes ask for 12 sandboxes each at the same moment (the same shape
+    as bench/burst.py at 4 x 50, kept small for the suite on 2 cores)."""
+    rate = 8.0
+    pool = make_pool(create_rate_per_s=rate, create_burst=1, max_starting=16)
+    procs = []
+    try:
+        for _ in range(4):
+            procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, cluster, pool, image, "12"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          stderr=subprocess.STDOUT, cwd=str(ROOT)))
+        for p in procs:
+            while p.stdout.readline().strip() != "go":
+                pass
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        times, output = [], []
+        for p in procs:
+            for line in p.stdout:
+                output.append(line)
+                if line.startswith("done "):
+                    times.append(float(line.split()[1]))
+                    break
+        assert len(times) == 4, "a client failed:\n" + "".join(output[-40:])
+        assert max(times) <= 1.2 * min(times) + 1.0, times
+        starts = ray.get(sandman.get_pool(pool).status.remote())["create_starts"]
+        assert len(starts) >= 48
+        for i, t in enumerate(starts):  # any one-second window: at most rate + the burst
+            assert sum(1 for u in starts[i:] if u - t < 1.0) <= rate + 1
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        sandman.shutdown_pool(pool)

@@ -68,6 +68,7 @@ class PoolActor:
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
                       "throttled": 0, "reclaimed": 0, "leases": 0}
         self.create_times: List[float] = []
+        self.create_starts: List[float] = []  # wall clock of each provider create call
         self.wake: Optional[asyncio.Event] = None
         self.started = False
         self.recovered: Optional[asyncio.Future] = None
@@ -116,13 +117,16 @@ class PoolActor:
             r.state in (State.REQUESTED, State.RELEASING) for r in self.records.values())
 
     # ------------------------------------------------------------------ client calls
-    async def lease(self, spec: SandboxSpec, client: str, timeout_s: float) -> Lease:
-        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``."""
+    async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
+                    handle: Optional[str] = None) -> Lease:
+        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
+        ``handle`` names the actor that will hold it: its liveness is watched from the
+        moment the lease is lent, not only once the actor has started and registered."""
         await self._ensure_started()
         spec = SandboxSpec.of(spec)
         loop = asyncio.get_running_loop()
         waiter = Waiter(client, spec, loop.create_future(), "L-" + uuid.uuid4().hex[:12],
-                        time.monotonic() + timeout_s, time.monotonic())
+                        time.monotonic() + timeout_s, time.monotonic(), handle)
         self.waiters.push(waiter)
         self._kick()
         try:
@@ -144,7 +148,7 @@ class PoolActor:
         rec = self._leased(lease_id)
         if rec is None:
             return False
-        rec.handle = handle
+        rec.handle, rec.handle_seen = handle, True
         rec.last_used = time.monotonic()
         self._persist(rec)
         return True
@@ -174,7 +178,8 @@ class PoolActor:
                 "waiters": len(self.waiters),
                 "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
                 "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
-                "leases_per_client": per_client}
+                "leases_per_client": per_client,
+                "create_starts": list(self.create_starts[-1000:])}
 
     async def list_sandboxes(self) -> List[dict]:
         now = time.monotonic()
@@ -235,7 +240,8 @@ class PoolActor:
                 rec = recs.pop(0)
                 lease = Lease(waiter.lease_id, rec.sandbox_id, rec.info.address, rec.info.token,
                               rec.info.node_id, self.name, rec.spec)
-                rec.lease, rec.client, rec.handle = lease, waiter.client, None
+                rec.lease, rec.client, rec.handle = lease, waiter.client, waiter.handle
+                rec.handle_seen = False
                 rec.leased_at = rec.last_used = time.monotonic()
                 self._to(rec, State.LEASED, "lent to %s" % waiter.client)
                 self.leases[lease.lease_id] = rec.sandbox_id
@@ -310,6 +316,8 @@ class PoolActor:
         started = time.monotonic()
         while True:
             rec.attempts += 1
+            self.create_starts.append(time.time())
+            del self.create_starts[:-5000]
             try:
                 rec.info = await asyncio.wait_for(
                     self.provider.create(rec.sandbox_id, rec.spec, labels),
@@ -452,10 +460,13 @@ class PoolActor:
             if rec.state is not State.LEASED:
                 continue
             why = None
-            if rec.handle is None and now - rec.leased_at > self.config.lease_grace_s:
-                why = "no handle registered within %.0f s" % self.config.lease_grace_s
-            elif rec.handle is not None and rec.handle not in names:
+            alive = rec.handle is not None and rec.handle in names
+            if alive:
+                rec.handle_seen = True
+            elif rec.handle_seen:
                 why = "handle %s is gone" % rec.handle
+            elif now - rec.leased_at > self.config.lease_grace_s:
+                why = "no handle within %.0f s" % self.config.lease_grace_s
             elif self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
                 why = "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s
             elif self.config.idle_timeout_s and now - rec.last_used > self.config.idle_timeout_s:

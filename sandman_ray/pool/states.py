@@ -71,7 +71,8 @@ class Sandbox:
     info: object = None            # SandboxInfo once created
     lease: Optional[Lease] = None
     client: Optional[str] = None
-    handle: Optional[str] = None   # the registered handle's actor name
+    handle: Optional[str] = None   # the actor name of the handle holding the lease
+    handle_seen: bool = False      # that actor has been seen alive (else: the grace runs)
     leased_at: float = 0.0
     last_used: float = 0.0
     attempts: int = 0

@@ -15,6 +15,7 @@ class Waiter:
     lease_id: str
     deadline: float
     enqueued: float = 0.0
+    handle: Optional[str] = None  # the actor name that will hold the lease
 
 
 @dataclass

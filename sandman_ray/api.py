@@ -19,6 +19,7 @@ MAX_IDLE_HANDLES = 64  # released handles this process keeps for the next acquir
 
 _idle: Dict[str, List] = {}   # node id -> idle handles
 _idle_lock = threading.Lock()
+_pools: Dict[str, object] = {}  # pool name -> actor handle (a name lookup is a GCS call)
 
 
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
@@ -33,11 +34,16 @@ def create_pool(name: str = "default", provider=None, *, warm=None, **config):
 
 
 def get_pool(name: str = "default"):
+    pool = _pools.get(name)
+    if pool is not None:
+        return pool
     try:
-        return ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
+        pool = ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
     except ValueError:
         raise SandmanError("no pool named %r: create it with sandman_ray.create_pool(%r)"
                            % (name, name)) from None
+    _pools[name] = pool
+    return pool
 
 
 def shutdown_pool(name: str = "default") -> int:
@@ -45,6 +51,7 @@ def shutdown_pool(name: str = "default") -> int:
     pool = get_pool(name)
     deleted = ray.get(pool.shutdown.remote())
     ray.kill(pool, no_restart=True)
+    _pools.pop(name, None)
     return deleted
 
 
@@ -62,24 +69,35 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
-def _handle_for(node_id: Optional[str], pool: str, name: str):
-    """An idle handle of this process on ``node_id``, else a new one named ``name``."""
+def _take_idle():
+    """An idle handle of this process, or None. Its name goes with the lease request:
+    if the lease lands on its node it holds the lease without registering again."""
     with _idle_lock:
-        idle = _idle.get(node_id or "")
-        if idle:
-            return idle.pop()
+        for handles in _idle.values():
+            if handles:
+                return handles.pop()
+    return None
+
+
+def _holder(lease, pool: str, idle, claimed: str):
+    """(handle, must_register): ``idle`` when the lease is on its node; else a new
+    handle on the lease's node, named ``claimed`` when that name is free (the pool
+    already watches it), else a fresh name that must register with the pool."""
+    if idle is not None and getattr(idle, "_sandman_node", None) == lease.node_id:
+        return idle, False
+    must_register = idle is not None
+    if idle is not None:
+        _keep_idle(idle)
+    name = _new_handle_name() if must_register else claimed
     options = {"name": name, "namespace": NAMESPACE}
-    if node_id:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if lease.node_id:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(lease.node_id, soft=False)
     handle = SandboxHandle.options(**options).remote(name, pool_actor_name(pool))
-    handle._sandman_node = node_id
-    handle._sandman_name = name
-    return handle
+    handle._sandman_node, handle._sandman_name = lease.node_id, name
+    return handle, must_register
 
 
 def _new_handle_name() -> str:
-    """Named before the lease is asked for, so the pool watches the holder from the
-    start. If an idle handle takes the lease instead, its registration corrects it."""
     return handle_name_prefix() + uuid.uuid4().hex[:12]
 
 
@@ -88,15 +106,19 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
     """Lease a sandbox and return its SandboxHandle actor (use it with ``ray.get``).
     Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
     pool_actor = _pool_for(pool)
-    spec = SandboxSpec.of(spec)
-    name = _new_handle_name()
+    idle = _take_idle()
+    name = idle._sandman_name if idle is not None else _new_handle_name()
     try:
-        lease = ray.get(pool_actor.lease.remote(spec, client or _client_id(), timeout, name),
-                        timeout=timeout + 30)
-    except ray.exceptions.GetTimeoutError:
-        raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
-    handle = _handle_for(lease.node_id, pool, name)
-    ray.get(handle.bind.remote(lease))
+        lease = ray.get(pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
+                                                timeout, name), timeout=timeout + 30)
+    except BaseException as exc:
+        if idle is not None:
+            _keep_idle(idle)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
+        raise
+    handle, must_register = _holder(lease, pool, idle, name)
+    ray.get(handle.bind.remote(lease, must_register))
     return handle
 
 
@@ -104,11 +126,17 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
                         client: Optional[str] = None):
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     pool_actor = _pool_for(pool)
-    name = _new_handle_name()
-    lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(), timeout,
-                                          name)
-    handle = _handle_for(lease.node_id, pool, name)
-    await handle.bind.remote(lease)
+    idle = _take_idle()
+    name = idle._sandman_name if idle is not None else _new_handle_name()
+    try:
+        lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
+                                              timeout, name)
+    except BaseException:
+        if idle is not None:
+            _keep_idle(idle)
+        raise
+    handle, must_register = _holder(lease, pool, idle, name)
+    await handle.bind.remote(lease, must_register)
     return handle
 
 

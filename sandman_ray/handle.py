@@ -32,13 +32,19 @@ class _SandboxHandle:
         self.lease = None
         self.client: Optional[AsyncDaemonClient] = None
         self.touched = 0.0
+        self.pool = None  # (actor name, handle): looked up once per pool
 
     def _pool(self):
         from sandman_ray.pool.actor import NAMESPACE
-        return ray.get_actor(self.pool_actor_name, namespace=NAMESPACE)
+        if self.pool is None or self.pool[0] != self.pool_actor_name:
+            self.pool = (self.pool_actor_name,
+                         ray.get_actor(self.pool_actor_name, namespace=NAMESPACE))
+        return self.pool[1]
 
-    async def bind(self, lease) -> str:
-        """Take ``lease``: connect to its daemon and register with the pool."""
+    async def bind(self, lease, register: bool = True) -> str:
+        """Take ``lease``: connect to its daemon and, unless the pool was given this
+        handle's name with the lease request, register with the pool (which also
+        confirms the lease is still open)."""
         from sandman_ray.pool.actor import pool_actor_name
         if self.client is not None:
             self.client.close()
@@ -48,7 +54,7 @@ class _SandboxHandle:
             self.client = await AsyncDaemonClient.connect(lease.address, lease.token)
         except ConnectionLost as exc:
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
-        if not await self._pool().register.remote(lease.lease_id, self.name):
+        if register and not await self._pool().register.remote(lease.lease_id, self.name):
             raise SandboxLost("lease %s of sandbox %s ended before it was taken"
                               % (lease.lease_id, lease.sandbox_id))
         return self.name

@@ -1,0 +1,50 @@
+"""Two Ray nodes on this machine (ray.cluster_utils.Cluster): sandboxes spread over
+both nodes' agents, and each handle runs on its sandbox's node, talking to the daemon
+over its unix socket there."""
+
+import uuid
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import sandman_ray as sandman
+from conftest import ROOT, require_bwrap
+
+CACHE = str(ROOT / ".cache" / "provider")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_bwrap()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="sandman-cluster-tests")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_sandboxes_spread_and_handles_follow_them(cluster, busybox_rootfs):
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    pool = "two-nodes-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=sandman.LocalProvider(
+        state_root="/tmp/sandman-ray-test/cluster-state", cache_root=CACHE))
+    try:
+        handles = [sandman.acquire("dir:%s" % busybox_rootfs, pool=pool, timeout=120)
+                   for _ in range(6)]
+        leased = ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+        sandbox_node = {s["sandbox_id"]: s["node_id"] for s in leased}
+        used = set()
+        for h in handles:
+            node = sandbox_node[ray.get(h.sandbox_id.remote())]
+            assert ray.get(h.node_id.remote()) == node  # the handle sits with its sandbox
+            assert ray.get(h.exec.remote("echo ok")).stdout == b"ok\n"
+            used.add(node)
+        assert used == nodes
+        for h in handles:
+            sandman.release(h)
+    finally:
+        sandman.shutdown_pool(pool)

@@ -523,6 +523,9 @@ class PoolActor:
         names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
         now_wall, now = time.time(), time.monotonic()
         for info in infos:
+            if (info.details or {}).get("alive") is False:
+                await self.provider.delete(info.sandbox_id)  # died while we were down
+                continue
             spec = _spec_of(info)
             rec = Sandbox(info.sandbox_id, spec, info=info)
             raw = internal_kv._internal_kv_get(self._kv_key(info.sandbox_id), namespace=KV_NAMESPACE)

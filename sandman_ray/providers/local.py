@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "sandman"
 DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
 DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
+NODES_TTL_S = 2.0
 
 
 def agent_name(pool: str, node_id: str) -> str:
@@ -211,6 +212,7 @@ class LocalProvider(Provider):
         self._agents: Dict[str, object] = {}
         self._where: Dict[str, str] = {}   # sandbox id -> node id
         self._next = 0
+        self._nodes = None  # (when, alive node ids)
 
     def bind(self, pool: str) -> "LocalProvider":
         """Name the pool whose agents this provider drives."""
@@ -219,12 +221,17 @@ class LocalProvider(Provider):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_agents"], state["_where"] = {}, {}
+        state["_agents"], state["_where"], state["_nodes"] = {}, {}, None
         return state
 
     # ---- agents
     def _alive_nodes(self) -> List[str]:
-        return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        """Alive Ray nodes, asked of the GCS at most every NODES_TTL_S (a burst of
+        creates would otherwise ask once per sandbox)."""
+        now = time.monotonic()
+        if self._nodes is None or now - self._nodes[0] > NODES_TTL_S:
+            self._nodes = (now, sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive")))
+        return self._nodes[1]
 
     def agent(self, node_id: str):
         """The agent of this pool on ``node_id``, started if needed."""

@@ -928,14 +928,14 @@ class Children:
             self._resolve(pid, status)
 
     def _resolve(self, pid, status):
+        fut = self.waiting.pop(pid, None)
+        callback = self.callbacks.pop(pid, None)
+        if callback is not None:
+            callback(status)  # first: a reply waits on it; the bookkeeping below does not
         fd = self.pidfds.pop(pid, None)
         if fd is not None:
             self.loop.remove_reader(fd)
             os.close(fd)
-        fut = self.waiting.pop(pid, None)
-        callback = self.callbacks.pop(pid, None)
-        if callback is not None:
-            callback(status)
         if fut is not None and not fut.done():
             fut.set_result(status)
 
@@ -1133,6 +1133,8 @@ class Daemon:
         self.connections = set()
         self.applied_limits = {}
         self.user = None  # (uid, gid) to drop to once listening
+        self.recv_buffer = bytearray(262144)
+        self.recv_view = memoryview(self.recv_buffer)
 
     # ---- lifecycle
     def run(self, listen, ready_fd):
@@ -1627,7 +1629,6 @@ class ExecRun:
             self.timer.cancel()
         for reader in self.readers:
             reader.drain()
-            reader.close()
         code, sig = _exit_code(status)
         out, err = self.out, self.err
         self.reply.ok({"exit_code": code, "signal": sig, "timed_out": self.timed_out,
@@ -1635,6 +1636,8 @@ class ExecRun:
                        "stdout": bytes(out.data), "stderr": bytes(err.data),
                        "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
                        "truncated": out.truncated or err.truncated})
+        for reader in self.readers:  # after the reply: closing is not on its path
+            reader.close()
 
     def time_out(self):
         self.timed_out = True
@@ -2048,13 +2051,16 @@ class Connection:
     # ---- bytes
     def _readable(self):
         try:
-            data = self.sock.recv(262144)
+            n = self.sock.recv_into(self.daemon.recv_buffer)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if data:
-            self.data_received(data)
+            n = 0
+        if n:
+            # a view of the daemon's one receive buffer (a fresh 256 KiB bytes object per
+            # recv costs an allocation and page faults on every request); the frames are
+            # decoded before the next recv
+            self.data_received(self.daemon.recv_view[:n])
         else:
             self.close()
 

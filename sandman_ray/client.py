@@ -465,12 +465,12 @@ class DaemonClient(_Operations):
                 n = self._sock.recv_into(self._recv_buf)
             except socket.timeout:
                 continue
-            data = self._recv_view[:n].tobytes()
-            if not data:
+            if not n:
                 raise ConnectionLost("daemon at %s closed the connection during %s"
                                      % (self.address, op))
             try:
-                self._frames.extend(self._reader.feed(data))
+                # frames may be views of the receive buffer: decoded before the next recv
+                self._frames.extend(self._reader.feed(self._recv_view[:n]))
             except CodecError as exc:
                 raise ProtocolError(str(exc)) from exc
         try:

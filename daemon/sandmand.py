@@ -49,6 +49,7 @@ MAX_IN_FLIGHT = 1024                  # requests in flight per connection
 MAX_DEPTH = 64                        # nesting limit of decoded msgpack values
 HELLO_TIMEOUT_S = 10.0                # a connection that does not say hello is closed
 DEFAULT_KILL_GRACE_S = 2.0            # TERM, then KILL after this long
+KILL_SETTLE_S = 2.0                   # how long to watch killed processes disappear
 PROC_RING_BYTES = 1024 * 1024         # per-stream ring buffer of a background process
 MAX_FINISHED_PROCS = 256              # exited background processes remembered
 CHUNK = 1024 * 1024                   # tar stream chunk size
@@ -1253,6 +1254,17 @@ class Daemon:
                 except OSError:
                     pass
             signal_tree(pid, signal.SIGKILL, alive=pid in waiting)
+        # Killed processes that are not our children exit a moment later, and nothing
+        # tells us when: look in /proc until they are gone (bounded), so that a caller
+        # told "timed out" finds nothing of the command left.
+        remaining = [t for tree in trees.values() for t in tree]
+        deadline = time.monotonic() + KILL_SETTLE_S
+        while remaining and time.monotonic() < deadline:
+            remaining = [t for t in remaining if _running(t)]
+            if remaining:
+                tick = self.loop.create_future()
+                self.loop.call_later(0.005, _resolve_once, tick)
+                await tick
 
     # ---- ops that answer at once
     def op_ping(self, req):
@@ -1623,8 +1635,13 @@ class ExecRun:
         self.readers = ()
         self.timer = None
         self.timed_out = False
+        self.killing = None  # the terminate task after a timeout
 
     def exited(self, status):
+        if self.killing is not None and not self.killing.done():
+            # timed out: answer once the whole tree is gone, not when its leader is
+            self.killing.add_done_callback(lambda _task: self.exited(status))
+            return
         if self.timer is not None:
             self.timer.cancel()
         for reader in self.readers:
@@ -1641,7 +1658,7 @@ class ExecRun:
 
     def time_out(self):
         self.timed_out = True
-        self.daemon.loop.create_task(self.daemon.terminate([self.pid], self.grace))
+        self.killing = self.daemon.loop.create_task(self.daemon.terminate([self.pid], self.grace))
 
     def cancel(self):
         """The client went away: stop the command at once."""
@@ -1957,6 +1974,19 @@ def _check_member(member, dest):
         link = os.path.realpath(os.path.join(base, member.linkname))
         if os.path.isabs(member.linkname) or not (link == root or link.startswith(root + os.sep)):
             raise RequestError("UnsafeArchive", "link %r points outside %s" % (member.name, dest))
+
+
+def _running(pid):
+    """True while ``pid`` exists. A zombie counts as gone unless we are PID 1: then we
+    are its reaper (the loop reaps it between two looks) and, until we do, it still
+    holds a slot of the sandbox's pids limit."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return False
+    zombie = raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"Z"
+    return not zombie or os.getpid() == 1
 
 
 def _kill_all(sig):

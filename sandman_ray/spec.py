@@ -171,6 +171,11 @@ class PoolConfig:
         for name in ("sandbox_ttl_s", "idle_timeout_s"):
             positive(name, optional=True)
         positive("client_quota", integer=True, optional=True)
+        if self.idle_timeout_s is not None and self.idle_timeout_s < 10:
+            # handles report use at most every 2 s; a shorter timeout would reclaim
+            # sandboxes that are busy
+            raise ValueError("PoolConfig.idle_timeout_s must be at least 10 s, got %r"
+                             % (self.idle_timeout_s,))
         if self.reuse not in ("reset", "delete"):
             raise ValueError("PoolConfig.reuse must be 'reset' or 'delete', got %r" % (self.reuse,))
         warm = {}

@@ -186,7 +186,7 @@ def test_dropped_handle_is_reclaimed(cluster, image):
         assert ray.get(sb.exec.remote("true")).exit_code == 0
         assert states(pool)["leased"] == 1
         del sb  # the last reference: Ray collects the handle actor
-        wait_until(lambda: states(pool)["leased"] == 0, timeout=10,
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=5,
                    what="the forgotten handle's lease to be reclaimed")
     finally:
         sandman.shutdown_pool(pool)
@@ -287,15 +287,20 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+PER_CLIENT = int(os.environ.get("SANDMAN_FAIRNESS_PER_CLIENT", "50"))
+
+
 def test_clients_are_served_fairly_and_creates_are_paced(cluster, image):
-    """4 client processes ask for 12 sandboxes each at the same moment (the same shape
-    as bench/burst.py at 4 x 50, kept small for the suite on 2 cores)."""
+    """4 client processes ask for 50 sandboxes each at the same moment (~3 min here:
+    200 handle actors; SANDMAN_FAIRNESS_PER_CLIENT=12 makes a quick run)."""
     rate = 8.0
-    pool = make_pool(create_rate_per_s=rate, create_burst=1, max_starting=16)
+    pool = make_pool(create_rate_per_s=rate, create_burst=1, max_starting=16,
+                     lease_grace_s=300.0)  # a handle may wait minutes for its worker
     procs = []
     try:
         for _ in range(4):
-            procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, cluster, pool, image, "12"],
+            procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, cluster, pool, image,
+                                           str(PER_CLIENT)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                           stderr=subprocess.STDOUT, cwd=str(ROOT)))
         for p in procs:
@@ -314,7 +319,7 @@ def test_clients_are_served_fairly_and_creates_are_paced(cluster, image):
         assert len(times) == 4, "a client failed:\n" + "".join(output[-40:])
         assert max(times) <= 1.2 * min(times) + 1.0, times
         starts = ray.get(sandman.get_pool(pool).status.remote())["create_starts"]
-        assert len(starts) >= 48
+        assert len(starts) >= 4 * PER_CLIENT
         for i, t in enumerate(starts):  # any one-second window: at most rate + the burst
             assert sum(1 for u in starts[i:] if u - t < 1.0) <= rate + 1
         for p in procs:
@@ -325,4 +330,31 @@ def test_clients_are_served_fairly_and_creates_are_paced(cluster, image):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        sandman.shutdown_pool(pool)
+
+
+def test_client_quota_holds_back_a_greedy_client(cluster, image):
+    pool = make_pool(client_quota=1)
+    try:
+        first = sandman.acquire(image, pool=pool, client="greedy")
+        with pytest.raises(sandman.AcquireTimeout):
+            sandman.acquire(image, pool=pool, client="greedy", timeout=1.0)
+        other = sandman.acquire(image, pool=pool, client="modest", timeout=30)
+        sandman.release(first)
+        second = sandman.acquire(image, pool=pool, client="greedy", timeout=30)
+        for h in (other, second):
+            sandman.release(h)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_ttl_reclaims_a_lease_and_its_holder_learns_it(cluster, image):
+    pool = make_pool(sandbox_ttl_s=1.0)
+    try:
+        sb = sandman.acquire(image, pool=pool)
+        assert ray.get(sb.exec.remote("true")).exit_code == 0
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=5, what="the TTL to reclaim")
+        with pytest.raises(sandman.SandboxLost):
+            ray.get(sb.exec.remote("true"))
+    finally:
         sandman.shutdown_pool(pool)

@@ -476,11 +476,10 @@ class PoolActor:
                 continue
             why = None
             alive = rec.handle is not None and rec.handle in names
-            if alive:
-                rec.handle_seen = True
-            elif rec.handle_seen:
+            rec.handle_seen = rec.handle_seen or alive
+            if not alive and rec.handle_seen:
                 why = "handle %s is gone" % rec.handle
-            elif now - rec.leased_at > self.config.lease_grace_s:
+            elif not alive and now - rec.leased_at > self.config.lease_grace_s:
                 why = "no handle within %.0f s" % self.config.lease_grace_s
             elif self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
                 why = "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s

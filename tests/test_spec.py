@@ -1,0 +1,47 @@
+"""SandboxSpec and PoolConfig refuse bad input with a message naming the field."""
+
+import pytest
+
+from sandman_ray.spec import PoolConfig, SandboxSpec, parse_bytes
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"image": ""}, "image must be a non-empty string"),
+    ({"image": "busybox"}, "is not host, dir:/path"),
+    ({"image": "dir:relative"}, "needs an absolute path"),
+    ({"cpu": 0}, "cpu must be a positive number"),
+    ({"memory": "lots"}, "memory must be bytes or a size"),
+    ({"pids": 0}, "pids must be a positive int"),
+    ({"env": {"A=B": "x"}}, "env must map names to strings"),
+    ({"workdir": "tmp"}, "workdir must be absolute"),
+    ({"user": "root"}, "user must be 'uid' or 'uid:gid'"),
+    ({"ttl_s": -1}, "ttl_s must be positive"),
+])
+def test_sandbox_spec_names_the_bad_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        SandboxSpec(**kwargs)
+
+
+def test_sizes_and_equality():
+    assert parse_bytes("512Mi") == 512 * 2 ** 20 and parse_bytes("1G") == 10 ** 9
+    assert SandboxSpec(image="host", memory="1Gi").memory == 2 ** 30
+    assert SandboxSpec.of("host") == SandboxSpec(image="host")
+    assert hash(SandboxSpec(image="host", env={"A": "1"})) == hash(SandboxSpec(image="host", env={"A": "1"}))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"reuse": "keep"}, "reuse must be 'reset' or 'delete'"),
+    ({"max_sandboxes": 0}, "max_sandboxes must be a positive int"),
+    ({"create_rate_per_s": 0}, "create_rate_per_s must be a positive"),
+    ({"warm": {"host": -1}}, "warm counts must be ints >= 0"),
+    ({"warm": {"host": 300}}, "more than max_sandboxes"),
+    ({"client_quota": 1.5}, "client_quota must be a positive int"),
+    ({"idle_timeout_s": 1}, "idle_timeout_s must be at least 10 s"),
+])
+def test_pool_config_names_the_bad_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        PoolConfig(**kwargs)
+
+
+def test_pool_config_turns_image_strings_into_specs():
+    assert PoolConfig(warm={"host": 2}).warm == {SandboxSpec(image="host"): 2}

@@ -229,6 +229,9 @@ def test_pool_actor_restart_keeps_live_leases(cluster, image):
         handles = [sandman.acquire(image, pool=pool) for _ in range(3)]
         held = {ray.get(h.sandbox_id.remote()) for h in handles}
         before = ray.get(sandman.get_pool(pool).status.remote())["pid"]
+        # under load: lease requests in flight (and creates started for them) at the kill
+        in_flight = [sandman.get_pool(pool).lease.remote(sandman.SandboxSpec(image=image),
+                                                          "loader", 30) for _ in range(6)]
         ray.kill(sandman.get_pool(pool), no_restart=False)
         wait_until(lambda: _pid(pool) not in (None, before), timeout=30,
                    what="the pool actor to come back in a new process")
@@ -239,7 +242,16 @@ def test_pool_actor_restart_keeps_live_leases(cluster, image):
         assert held.isdisjoint({ray.get(h.sandbox_id.remote()) for h in more})
         for h in handles + more:
             sandman.release(h)
-        wait_until(lambda: states(pool)["leased"] == 0, what="all released")
+        for ref in in_flight:  # lost with the old process, or served by the new one
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayError, sandman.SandmanError):
+                pass
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=30, what="all released")
+        # nothing leaked: what the provider runs is what the pool knows
+        wait_until(lambda: sorted(i.sandbox_id for i in provider_sandboxes(pool)) == sorted(
+            s["sandbox_id"] for s in ray.get(sandman.get_pool(pool).list_sandboxes.remote())),
+            timeout=30, what="the provider's inventory to match the pool's")
     finally:
         sandman.shutdown_pool(pool)
 

@@ -45,6 +45,10 @@ EVENT_LOG = 1000       # transitions kept for ``events``
 # a loop of acquire/release it is taken again first, instead of one create and one
 # delete per episode (each ~60 ms of CPU here).
 SURPLUS_LINGER_S = 10.0
+# How often the pool compares the provider's inventory with its records: a create that
+# finished after this actor restarted (its request died with the old process) leaves a
+# sandbox no record knows, which is deleted.
+INVENTORY_INTERVAL_S = 5.0
 
 
 def pool_actor_name(pool: str) -> str:
@@ -99,12 +103,16 @@ class PoolActor:
             logger.exception("pool %s: recovery failed: %s", self.name, exc)
         self.recovered.set_result(None)
         next_sweep = 0.0
+        next_inventory = time.monotonic() + INVENTORY_INTERVAL_S
         while True:
             try:
                 self._tick()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.config.sweep_interval_s
                     await self._sweep()
+                if time.monotonic() >= next_inventory:
+                    next_inventory = time.monotonic() + INVENTORY_INTERVAL_S
+                    await self._delete_strays()
             except Exception:
                 logger.exception("pool %s: reconcile failed", self.name)
             try:
@@ -338,7 +346,7 @@ class PoolActor:
                     self.provider.create(rec.sandbox_id, rec.spec, labels),
                     self.config.ready_timeout_s)
                 if rec.state is not State.CREATING:  # deleted meanwhile (pool shutdown)
-                    await self._provider_delete(rec)
+                    await self._provider_delete(rec.sandbox_id)
                     return
                 self._to(rec, State.STARTING)
                 await asyncio.wait_for(self.provider.probe(rec.info), self.config.ready_timeout_s)
@@ -366,7 +374,7 @@ class PoolActor:
                     await self._delete(rec, "create failed: %s" % exc)
                     return
                 if rec.state is State.STARTING:
-                    await self._provider_delete(rec)
+                    await self._provider_delete(rec.sandbox_id)
                     self._to(rec, State.CREATING, "retry: %s" % exc)
                 # back off with jitter; the token bucket slows everyone else down too
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** rec.attempts) * random.uniform(0.5, 1.5))
@@ -422,22 +430,22 @@ class PoolActor:
             await self._finish_delete(rec, reason)
 
     async def _finish_delete(self, rec: Sandbox, reason: str) -> None:
-        await self._provider_delete(rec)
+        await self._provider_delete(rec.sandbox_id)
         self.stats["deletes"] += 1
         self._to(rec, State.GONE, reason)
         self.records.pop(rec.sandbox_id, None)
         self._kick()
 
-    async def _provider_delete(self, rec: Sandbox) -> None:
+    async def _provider_delete(self, sandbox_id: str) -> None:
         for attempt in range(5):
             try:
-                await self.provider.delete(rec.sandbox_id)
+                await self.provider.delete(sandbox_id)
                 return
             except Exception as exc:  # a delete must not be forgotten: retry, then say so
                 logger.warning("pool %s: delete %s failed (%s), retrying", self.name,
-                               rec.sandbox_id, exc)
+                               sandbox_id, exc)
                 await asyncio.sleep(0.2 * 2 ** attempt)
-        logger.error("pool %s: could not delete %s", self.name, rec.sandbox_id)
+        logger.error("pool %s: could not delete %s", self.name, sandbox_id)
 
     def _end_lease(self, rec: Sandbox, reason: str, reuse: bool = True) -> None:
         if rec.lease is not None:
@@ -488,6 +496,15 @@ class PoolActor:
             if why:
                 self.stats["reclaimed"] += 1
                 self._end_lease(rec, "reclaimed: " + why)
+
+    async def _delete_strays(self) -> None:
+        infos = await self.provider.list({POOL_LABEL: self.name})
+        for info in infos:
+            if info.sandbox_id not in self.records:
+                logger.warning("pool %s: deleting %s, which no record knows",
+                               self.name, info.sandbox_id)
+                self.stats["deletes"] += 1
+                await self._provider_delete(info.sandbox_id)
 
     # ------------------------------------------------------------------ persistence
     def _kv_key(self, sandbox_id: str) -> str:

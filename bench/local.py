@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from sandman_ray import AsyncDaemonClient
+from sandman_ray.daemon.sandmand import descendants
 from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
@@ -36,19 +37,8 @@ def pct(values, q):
 
 def pss_kb(pid: int) -> int:
     """PSS of ``pid`` and all its descendants, in KiB."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name) as fh:
-                    raw = fh.read()
-                children.setdefault(int(raw[raw.rfind(")") + 2:].split()[1]), []).append(int(name))
-            except OSError:
-                continue
-    total, todo = 0, [pid]
-    while todo:
-        current = todo.pop()
-        todo.extend(children.get(current, ()))
+    total = 0
+    for current in [pid] + descendants(pid):
         try:
             with open("/proc/%d/smaps_rollup" % current) as fh:
                 total += next(int(l.split()[1]) for l in fh if l.startswith("Pss:"))

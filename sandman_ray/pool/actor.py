@@ -75,7 +75,6 @@ class PoolActor:
         self.events: List[tuple] = []
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
                       "throttled": 0, "reclaimed": 0, "leases": 0}
-        self.create_times: List[float] = []
         self.create_starts: List[float] = []  # wall clock of each provider create call
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.kv_thread = None
@@ -380,8 +379,6 @@ class PoolActor:
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** rec.attempts) * random.uniform(0.5, 1.5))
         self.bucket.succeeded()
         self.stats["creates"] += 1
-        self.create_times.append(time.monotonic() - started)
-        del self.create_times[:-1000]
         self._to(rec, State.READY, "answers after %.2f s" % (time.monotonic() - started))
         self._kick()
 

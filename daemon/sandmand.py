@@ -1163,17 +1163,25 @@ class Daemon:
     def _listen(self, listen):
         kind, _, where = listen.partition(":")
         if kind == "unix":
+            # Bound and listening under a temporary name, then renamed: whoever sees
+            # the socket's path can connect (a launcher outside the sandbox may wait for
+            # the path to appear).
+            building = where + ".new"
             try:
-                os.unlink(where)
+                os.unlink(building)
             except FileNotFoundError:
                 pass
             sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
             old = os.umask(0o077)  # the socket is born 0600: only its owner may connect
             try:
-                sock.bind(where)
+                sock.bind(building)
             finally:
                 os.umask(old)
-            os.chmod(where, 0o600)
+            os.chmod(building, 0o600)
+            if self.user is not None:
+                os.chown(building, self.user[0], self.user[1])
+            sock.listen(1024)
+            os.rename(building, where)
             self.socket_path = where
             address = "unix:" + where
         elif kind == "tcp":
@@ -1207,8 +1215,6 @@ class Daemon:
 
     def _drop_privileges(self):
         uid, gid = self.user
-        if self.socket_path is not None:
-            os.chown(self.socket_path, uid, gid)
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)

@@ -1,13 +1,19 @@
 """Removes what a node agent's sandboxes leave on the host once the agent is gone.
 
-The agent starts one janitor, in a session of its own, holding the write end of the
-janitor's stdin. When the agent dies, however it dies (``ray.shutdown()``, SIGKILL, a
-node going away), stdin reaches end-of-file; the janitor then kills whatever sandbox
+The agent starts one janitor (``start``), in a session of its own and not as its
+child, holding the write end of the janitor's stdin. When the agent dies, however it
+dies (``ray.kill``, ``ray.shutdown()``, SIGKILL, a node going away), stdin reaches
+end-of-file; the janitor then kills whatever sandbox
 process still names the state directory, waits for them to exit, and removes the
 state directory and the cgroups. Sandboxes already die with their agent (bwrap's
 parent-death signal); this removes their files.
 
     python -m sandman_ray.providers.janitor STATE_DIR [CGROUP_DIR ...]
+                                            [--containers ENGINE_URL LABEL=VALUE]
+
+With ``--containers`` (the DockerProvider's agents), it first removes the engine's
+containers that carry that label (the agent's incarnation): containers do not die
+with the process that created them.
 """
 
 import os
@@ -15,6 +21,20 @@ import shutil
 import signal
 import sys
 import time
+
+LATE_CREATE_S = 5.0  # an engine's create call, measured here at 13-24 ms, well within
+
+
+def start(args):
+    """Start a janitor with ``args`` (as for ``main``) for the calling process: it
+    cleans up once the caller's end of its stdin closes, however the caller dies.
+
+    It is started through ``setsid -f``, so it is not the caller's child: Ray kills a
+    dead worker's children (measured: a direct child dies with its actor under
+    ``ray.kill``), but not processes that were handed to init."""
+    import subprocess
+    return subprocess.Popen(["setsid", "-f", sys.executable, "-m", __name__] + list(args),
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
 
 
 def sandbox_processes(state_dir: str):
@@ -64,16 +84,48 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
             pass
 
 
+def remove_containers(engine_url: str, label: str) -> int:
+    """Remove every container of the engine at ``engine_url`` labelled ``label``
+    (``key=value``), with its anonymous volumes; how many there were."""
+    from sandman_ray.providers.docker import engine_client, list_containers
+    engine = engine_client(engine_url)
+    containers = list_containers(engine, [label])
+    for container in containers:
+        try:
+            engine.api.remove_container(container["Id"], force=True, v=True)
+        except Exception as exc:  # already gone, or the engine is: nothing more to do
+            print("janitor: cannot remove %s: %s" % (container["Id"][:12], exc), file=sys.stderr)
+    return len(containers)
+
+
 def main(argv) -> int:
-    if len(argv) < 1:
+    containers = None
+    if "--containers" in argv:
+        at = argv.index("--containers")
+        containers, argv = argv[at + 1:at + 3], argv[:at] + argv[at + 3:]
+    if len(argv) < 1 or (containers is not None and len(containers) != 2):
         print(__doc__, file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the agent's death ends us
     while os.read(0, 4096):
         pass
+    if containers is not None:
+        _remove_containers_reporting(*containers)
     clean(argv[0], argv[1:])
+    if containers is not None:
+        # The engine may still finish a create the agent sent just before it died:
+        # look again once such a request has had time to complete.
+        time.sleep(LATE_CREATE_S)
+        _remove_containers_reporting(*containers)
     return 0
+
+
+def _remove_containers_reporting(engine_url: str, label: str) -> None:
+    try:
+        remove_containers(engine_url, label)
+    except Exception as exc:
+        print("janitor: cannot reach the engine at %s: %s" % (engine_url, exc), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,215 @@
+"""Providers that run sandboxes through one agent actor per Ray node.
+
+The LocalProvider (bwrap) and the DockerProvider (a container engine on each node) both
+start sandboxes whose daemon listens on a unix socket on that node, so both drive one
+agent per pool and node: detached, named ``sandman:<kind>:<pool>:<node id>`` in the
+``sandman`` namespace, ``num_cpus=0``, pinned to its node. This module is the pool-side
+half they share (which node gets the next sandbox, where each one is, what to do when an
+agent is gone) and the agent-side single-flight helper.
+"""
+
+import asyncio
+import time
+from typing import Awaitable, Callable, Dict, List, Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sandman_ray.errors import ProviderError, SandmanError
+from sandman_ray.providers.base import (
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, transient)
+from sandman_ray.spec import SandboxSpec
+
+NAMESPACE = "sandman"
+NODES_TTL_S = 2.0
+
+
+def agent_name(pool: str, node_id: str, kind: str = "agent") -> str:
+    return "sandman:%s:%s:%s" % (kind, pool, node_id)
+
+
+class SingleFlight:
+    """At most one run of a coroutine per key at a time; callers that arrive while it
+    runs await the same outcome (a create retried after a timeout, thirty creates that
+    need the same image pulled)."""
+
+    def __init__(self):
+        self.running: Dict[object, asyncio.Future] = {}
+
+    async def run(self, key, start: Callable[[], Awaitable]):
+        if key in self.running:
+            return await asyncio.shield(self.running[key])
+        fut = asyncio.get_running_loop().create_future()
+        self.running[key] = fut
+        try:
+            result = await start()
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            fut.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        finally:
+            self.running.pop(key, None)
+        fut.set_result(result)
+        return result
+
+
+def unwrapped(exc: ProviderError) -> ProviderError:
+    """The agent's ProviderError itself rather than Ray's wrapper around it (whose
+    message carries the remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, ProviderError) else exc
+
+
+class NodeAgentProvider(Provider):
+    """Spreads sandboxes over the alive Ray nodes and forwards each call to the agent of
+    the sandbox's node. Subclasses say which actor class is the agent and what it is
+    constructed with."""
+
+    #: the middle of the agents' names (``sandman:<kind>:<pool>:<node>``)
+    agent_kind = "agent"
+
+    def __init__(self):
+        self.pool = "default"
+        self._agents: Dict[str, object] = {}
+        self._where: Dict[str, str] = {}   # sandbox id -> node id
+        self._next = 0
+        self._nodes = None  # (when, alive node ids)
+
+    def agent_class(self):
+        raise NotImplementedError
+
+    def agent_args(self, node_id: str) -> tuple:
+        """Constructor arguments of the agent on ``node_id``."""
+        raise NotImplementedError
+
+    def bind(self, pool: str) -> "NodeAgentProvider":
+        """Name the pool whose agents this provider drives."""
+        self.pool = pool
+        return self
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_agents"], state["_where"], state["_nodes"] = {}, {}, None
+        return state
+
+    # ---- agents
+    def _alive_nodes(self) -> List[str]:
+        """Alive Ray nodes, asked of the GCS at most every NODES_TTL_S (a burst of
+        creates would otherwise ask once per sandbox)."""
+        now = time.monotonic()
+        if self._nodes is None or now - self._nodes[0] > NODES_TTL_S:
+            self._nodes = (now, sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive")))
+        return self._nodes[1]
+
+    async def alive_nodes(self) -> List[str]:
+        return await asyncio.get_running_loop().run_in_executor(None, self._alive_nodes)
+
+    def agent(self, node_id: str):
+        """The agent of this pool on ``node_id``, started if needed."""
+        agent = self._agents.get(node_id)
+        if agent is None:
+            agent = self.agent_class().options(
+                name=agent_name(self.pool, node_id, self.agent_kind), namespace=NAMESPACE,
+                lifetime="detached", get_if_exists=True, max_concurrency=10000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(*self.agent_args(node_id))
+            self._agents[node_id] = agent
+        return agent
+
+    def _agent_gone(self, node_id: str, exc: Exception) -> ProviderError:
+        self._agents.pop(node_id, None)
+        return transient("%s on %s is gone: %s" % (self.agent_kind, node_id, exc))
+
+    async def _pick_node(self) -> str:
+        nodes = await self.alive_nodes()
+        if not nodes:
+            raise transient("no alive Ray node")
+        counts = {n: 0 for n in nodes}
+        for node in self._where.values():
+            if node in counts:
+                counts[node] += 1
+        self._next += 1
+        # fewest sandboxes first; ties broken in turn so a burst spreads evenly
+        return min(nodes, key=lambda n: (counts[n], (nodes.index(n) - self._next) % len(nodes)))
+
+    # ---- the Provider interface
+    async def create(self, sandbox_id: str, spec: SandboxSpec,
+                     labels_given: Dict[str, str]) -> SandboxInfo:
+        node = self._where.get(sandbox_id) or await self._pick_node()
+        self._where[sandbox_id] = node
+        labels = dict(spec.labels)
+        labels.update(labels_given)
+        labels.update({POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
+        try:
+            return await self.agent(node).create.remote(sandbox_id, spec, labels)
+        except ray.exceptions.RayActorError as exc:
+            self._where.pop(sandbox_id, None)
+            raise self._agent_gone(node, exc) from exc
+        except ProviderError as exc:
+            self._where.pop(sandbox_id, None)
+            raise unwrapped(exc) from None
+
+    async def delete(self, sandbox_id: str) -> None:
+        node = self._where.pop(sandbox_id, None)
+        for node_id in [node] if node else await self.alive_nodes():
+            try:
+                await self.agent(node_id).delete.remote(sandbox_id)
+            except ray.exceptions.RayActorError:
+                self._agents.pop(node_id, None)  # its sandboxes went with it
+
+    async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
+        found: List[SandboxInfo] = []
+        for node_id in await self.alive_nodes():
+            try:
+                infos = await self.agent(node_id).list.remote(labels)
+            except ray.exceptions.RayActorError:
+                self._agents.pop(node_id, None)
+                continue
+            for info in infos:
+                self._where[info.sandbox_id] = node_id
+            found.extend(infos)
+        return found
+
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        node = self._where.get(sandbox_id)
+        if node is None:
+            node = (await self.endpoint(sandbox_id)).node_id
+        try:
+            return await self.agent(node).reset.remote(sandbox_id)
+        except ray.exceptions.RayActorError as exc:
+            raise self._agent_gone(node, exc) from exc
+        except ProviderError as exc:
+            raise unwrapped(exc) from None
+
+    async def probe(self, info: SandboxInfo) -> None:
+        """On the sandbox's node: its unix socket is not reachable from elsewhere."""
+        try:
+            await self.agent(info.node_id).probe.remote(info.sandbox_id)
+        except ray.exceptions.RayActorError as exc:
+            raise self._agent_gone(info.node_id, exc) from exc
+        except ProviderError as exc:
+            raise unwrapped(exc) from None
+        except (ConnectionError, OSError, SandmanError) as exc:
+            raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+
+    async def shutdown(self) -> int:
+        """Delete every sandbox of this pool and stop its agents."""
+        total, failed = 0, None
+        for node_id in await self.alive_nodes():
+            try:
+                agent = ray.get_actor(agent_name(self.pool, node_id, self.agent_kind),
+                                      namespace=NAMESPACE)
+            except ValueError:
+                continue
+            try:
+                total += await agent.shutdown.remote()
+            except ray.exceptions.RayActorError:
+                pass
+            except ProviderError as exc:  # stop the agent anyway; its janitor tries again
+                failed = failed or unwrapped(exc)
+            ray.kill(agent)
+        self._agents.clear()
+        self._where.clear()
+        if failed is not None:
+            raise failed
+        return total

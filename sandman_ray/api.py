@@ -20,6 +20,19 @@ MAX_IDLE_HANDLES = 64  # released handles this process keeps for the next acquir
 _idle: Dict[str, List] = {}   # node id -> idle handles
 _idle_lock = threading.Lock()
 _pools: Dict[str, object] = {}  # pool name -> actor handle (a name lookup is a GCS call)
+_cached_for = [None]  # the Ray session the two caches above belong to
+
+
+def _caches_current() -> None:
+    """Forget handles and pools of an earlier Ray session of this process (after
+    ``ray.shutdown()`` and a new ``ray.init()`` they name actors that are gone)."""
+    ctx = ray.get_runtime_context()
+    session = (ctx.gcs_address, ctx.get_node_id())
+    if _cached_for[0] != session:
+        with _idle_lock:
+            _idle.clear()
+            _pools.clear()
+            _cached_for[0] = session
 
 
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
@@ -34,6 +47,7 @@ def create_pool(name: str = "default", provider=None, *, warm=None, **config):
 
 
 def get_pool(name: str = "default"):
+    _caches_current()
     pool = _pools.get(name)
     if pool is not None:
         return pool

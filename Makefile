@@ -6,8 +6,11 @@ STAMP := $(VENV)/.installed
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
 # (unshare, prlimit) around sandboxes, skopeo and umoci for images, debootstrap for the
-# Debian test image.
-DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap
+# Debian test image, podman, runc and iptables (netavark's port publishing) for the
+# DockerProvider's engine (Podman's Docker API service; the tests start their own),
+# docker-registry for the tests' pulls.
+DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
+	podman runc iptables docker-registry
 
 .PHONY: demo test bench system-packages clean
 

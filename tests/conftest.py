@@ -97,6 +97,42 @@ def wait_until(predicate, timeout=10.0, what="condition"):
         time.sleep(0.02)
 
 
+def exercise_handle(sb):
+    """Every kind of operation once through a SandboxHandle: exec, a session that
+    keeps cwd and variables, files, a background process (left running)."""
+    import ray
+    assert ray.get(sb.exec.remote("echo hi")).stdout == b"hi\n"
+    ray.get(sb.run.remote("cd /tmp && export A=1"))
+    assert ray.get(sb.run.remote("echo $A $(pwd)")).stdout == b"1 /tmp\n"
+    ray.get(sb.write_file.remote("/work/x", b"data"))
+    assert ray.get(sb.read_file.remote("/work/x")) == b"data"
+    pid = ray.get(sb.spawn.remote("sleep 100"))
+    assert ray.get(sb.proc_status.remote(pid)).running
+
+
+HOLDING_DRIVER = """
+import sys, ray, sandman_ray as sandman
+ray.init(address=sys.argv[1], namespace=sys.argv[2])
+handles = [sandman.acquire(sys.argv[4], pool=sys.argv[3], timeout=120)
+           for _ in range(int(sys.argv[5]))]
+ray.get([h.exec.remote("true") for h in handles])
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def holding_driver(cluster, namespace, pool, image, count):
+    """A driver process of its own that leases ``count`` sandboxes and holds them
+    until it is killed; returned once it holds them."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDING_DRIVER, cluster, namespace, pool,
+                             image, str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=str(ROOT))
+    for line in proc.stdout:  # Ray's own log lines may come first
+        if line.strip() == "holding":
+            return proc
+    raise AssertionError("the driver exited before holding its sandboxes")
+
+
 @pytest.fixture(scope="session")
 def bundle():
     from sandman_ray.bundle import ensure_bundle

@@ -15,7 +15,7 @@ import ray
 
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
-from conftest import ROOT, require_bwrap, wait_until
+from conftest import ROOT, exercise_handle, holding_driver, require_bwrap, wait_until
 
 STATE = "/tmp/sandman-ray-test/pool-state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -56,13 +56,7 @@ def states(pool):
 
 def test_acquire_exec_release_and_context_manager(pool, image):
     sb = sandman.acquire(image, pool=pool, timeout=60)
-    assert ray.get(sb.exec.remote("echo hi")).stdout == b"hi\n"
-    ray.get(sb.run.remote("cd /tmp && export A=1"))
-    assert ray.get(sb.run.remote("echo $A $(pwd)")).stdout == b"1 /tmp\n"
-    ray.get(sb.write_file.remote("/tmp/x", b"data"))
-    assert ray.get(sb.read_file.remote("/tmp/x")) == b"data"
-    pid = ray.get(sb.spawn.remote("sleep 100"))
-    assert ray.get(sb.proc_status.remote(pid)).running
+    exercise_handle(sb)
     sandman.release(sb)
     with sandman.sandbox(image, pool=pool) as sb2:
         assert ray.get(sb2.exec.remote("ls /tmp/x")).exit_code != 0  # a reset sandbox
@@ -111,17 +105,6 @@ def test_acquire_timeout_is_raised_and_loses_nothing(cluster, image):
         sandman.shutdown_pool(pool)
 
 
-DRIVER = textwrap.dedent("""
-    import sys, time, ray, sandman_ray as sandman
-    ray.init(address=sys.argv[1], namespace="sandman-pool-tests")
-    handles = [sandman.acquire(sys.argv[3], pool=sys.argv[2], timeout=120)
-               for _ in range(int(sys.argv[4]))]
-    ray.get([h.exec.remote("true") for h in handles])
-    print("holding", flush=True)
-    time.sleep(600)
-""")
-
-
 def provider_sandboxes(pool):
     """What the provider itself runs for ``pool`` (not what the pool believes)."""
     import asyncio
@@ -132,13 +115,7 @@ def provider_sandboxes(pool):
 def test_sigkilled_driver_leaves_no_leased_sandbox(cluster, image):
     pool = make_pool(max_starting=32)
     try:
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, cluster, pool, image, "20"],
-                                stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
-        for line in proc.stdout:  # Ray's own log lines may come first
-            if line.strip() == "holding":
-                break
-        else:
-            raise AssertionError("the driver exited before holding its sandboxes")
+        proc = holding_driver(cluster, "sandman-pool-tests", pool, image, 20)
         assert states(pool)["leased"] == 20
         proc.send_signal(signal.SIGKILL)
         proc.wait()

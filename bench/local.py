@@ -1,13 +1,16 @@
-"""LocalProvider on a local Ray, in one run:
+"""LocalProvider and DockerProvider (a private Podman API service) side by side on a
+local Ray, one after the other in one run:
 
   create -> first exec answered   p50 / p99 / all answering, at 1, 50 and 200 at once
   reset  -> ready (daemon answers) p50 / p99
   delete                           p50
-  memory                           PSS per idle sandbox (daemon + bwrap), from smaps_rollup
+  memory                           PSS per idle sandbox (daemon + bwrap, or daemon +
+                                   conmon), from smaps_rollup
 
 Prints a table and one JSON line.
 
-    python bench/local.py [--image dir:/path] [--bursts 1,50,200] [--resets 50]
+    python bench/local.py [--providers local,docker] [--image dir:/path]
+                          [--docker-image REF] [--bursts 1,50,200] [--resets 50]
 """
 
 import argparse
@@ -66,24 +69,22 @@ async def burst(provider, spec, n):
     return results, wall
 
 
-async def main_async(args):
-    provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
-                             cache_root=str(ROOT / ".cache" / "provider")).bind("bench-local")
-    spec = SandboxSpec(image=args.image)
-    rows, out = [], {}
+async def measure(provider, spec, args, pid_of):
+    """Rows ``{operation: (p50 s, p99 s, all-done s or None)}`` and figures for JSON."""
+    rows, out = {}, {}
     await burst(provider, spec, 1)  # warm: agent, bundle, image cache
     for sid in [i.sandbox_id for i in await provider.list({"bench": "local"})]:
         await provider.delete(sid)
     for n in args.bursts:
         results, wall = await burst(provider, spec, n)
         latencies = [r[2] for r in results]
-        rows.append(("create -> first exec, %d at once" % n, pct(latencies, 0.5),
-                     pct(latencies, 0.99), wall))
+        rows["create -> first exec, %d at once" % n] = (pct(latencies, 0.5),
+                                                       pct(latencies, 0.99), wall)
         out["create_%d" % n] = {"p50_ms": pct(latencies, 0.5) * 1e3,
                                 "p99_ms": pct(latencies, 0.99) * 1e3, "all_s": wall}
         if n == max(args.bursts):
             await asyncio.sleep(1.0)  # let start-up settle before measuring idle memory
-            pss = [pss_kb(r[1].details["pid"]) for r in results]
+            pss = [sum(pss_kb(pid) for pid in pid_of(r[1])) for r in results]
             out["pss_kb_per_sandbox"] = sum(pss) / len(pss)
         ids = [r[0] for r in results]
         if n == 1:
@@ -95,7 +96,7 @@ async def main_async(args):
                 await client.ping()
                 resets.append(time.perf_counter() - t)
                 client.close()
-            rows.append(("reset -> ready (ping)", pct(resets, 0.5), pct(resets, 0.99), None))
+            rows["reset -> ready (ping)"] = (pct(resets, 0.5), pct(resets, 0.99), None)
             out["reset"] = {"p50_ms": pct(resets, 0.5) * 1e3, "p99_ms": pct(resets, 0.99) * 1e3}
         deletes = []
         for sid in ids:
@@ -103,28 +104,90 @@ async def main_async(args):
             await provider.delete(sid)
             deletes.append(time.perf_counter() - t)
         if n == max(args.bursts):
-            rows.append(("delete", pct(deletes, 0.5), pct(deletes, 0.99), None))
+            rows["delete"] = (pct(deletes, 0.5), pct(deletes, 0.99), None)
             out["delete"] = {"p50_ms": pct(deletes, 0.5) * 1e3}
     await provider.shutdown()
-    print("%-36s %10s %10s %12s" % ("operation", "p50 ms", "p99 ms", "all done s"))
-    for name, p50, p99, wall in rows:
-        print("%-36s %10.1f %10.1f %12s" % (name, p50 * 1e3, p99 * 1e3,
-                                           "%.2f" % wall if wall is not None else ""))
-    print("%-36s %10.1f" % ("PSS per idle sandbox (MB)", out["pss_kb_per_sandbox"] / 1024))
-    print(json.dumps({"bench": "local", "image": args.image, "machine": {
+    return rows, out
+
+
+def local_setup(args):
+    provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
+                             cache_root=str(ROOT / ".cache" / "provider")).bind("bench-local")
+    image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    return provider, SandboxSpec(image=image), lambda info: [info.details["pid"]], None
+
+
+def docker_setup(args):
+    """A private Podman API service with the busybox rootfs imported as an image."""
+    from sandman_ray.providers.docker import DockerProvider, engine_client
+    from sandman_ray.providers.podman_service import PodmanService
+    service = PodmanService("/tmp/sandman-ray/bench-podman").start()
+    image = args.docker_image
+    if image is None:
+        image = "localhost/sandman-bench/busybox:1"
+        service.import_rootfs(build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox"), image)
+    provider = DockerProvider(base_url=service.base_url, state_root="/tmp/sandman-ray/bench-docker",
+                              cache_root=str(ROOT / ".cache" / "provider")).bind("bench-docker")
+    engine = engine_client(service.base_url)
+
+    def pids(info):  # the daemon (the container's PID 1) and its conmon
+        state = engine.api.inspect_container(info.details["container"])["State"]
+        return [state["Pid"]] + ([state["ConmonPid"]] if state.get("ConmonPid") else [])
+    return provider, SandboxSpec(image=image), pids, service.stop
+
+
+SETUPS = {"local": local_setup, "docker": docker_setup}
+
+
+async def main_async(args):
+    results = {}
+    for name in args.providers:
+        provider, spec, pid_of, teardown = SETUPS[name](args)
+        try:
+            results[name] = await measure(provider, spec, args, pid_of)
+        finally:
+            if teardown:
+                teardown()
+    operations = list(results[args.providers[0]][0])
+    header = "%-36s" % "operation" + "".join(
+        "%16s %9s %9s" % (name + " p50 ms", "p99 ms", "all s") for name in args.providers)
+    print(header)
+    for op in operations:
+        line = "%-36s" % op
+        for name in args.providers:
+            p50, p99, wall = results[name][0].get(op, (float("nan"),) * 3)
+            line += "%16.1f %9.1f %9s" % (p50 * 1e3, p99 * 1e3,
+                                           "%.2f" % wall if wall is not None else "")
+        print(line)
+    print("%-36s" % "PSS per idle sandbox (MB)" + "".join(
+        "%16.1f %19s" % (results[name][1]["pss_kb_per_sandbox"] / 1024, "")
+        for name in args.providers))
+    if "local" in results and "docker" in results:
+        ratio = (results["docker"][1]["create_1"]["p50_ms"]
+                 / results["local"][1]["create_1"]["p50_ms"])
+        print("docker / local, create -> first exec p50 (1 at once): %.1fx" % ratio)
+    print(json.dumps({"bench": "local", "providers": args.providers, "machine": {
         "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": out}))
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "results": {name: out for name, (_, out) in results.items()}}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--image", default=None, help="default: a busybox rootfs")
+    parser.add_argument("--providers", default="local,docker",
+                        help="comma-separated, measured one after the other in this run")
+    parser.add_argument("--image", default=None, help="LocalProvider image (default: busybox rootfs)")
+    parser.add_argument("--docker-image", default=None,
+                        help="DockerProvider image (default: the busybox rootfs imported)")
     parser.add_argument("--bursts", default="1,50,200")
     parser.add_argument("--resets", type=int, default=50)
     args = parser.parse_args()
     args.bursts = [int(b) for b in args.bursts.split(",")]
-    if args.image is None:
-        args.image = "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    args.providers = [p for p in args.providers.split(",") if p]
+    unknown = set(args.providers) - set(SETUPS)
+    if unknown:
+        parser.error("unknown providers: %s (known: %s)" % (", ".join(sorted(unknown)),
+                                                            ", ".join(SETUPS)))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         asyncio.run(main_async(args))

@@ -12,6 +12,7 @@ Usage::
                 [--token-file FILE]     (else the SANDMAN_TOKEN environment variable)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
+                [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
 
 --user drops to that uid/gid once listening (the socket is handed to it too);
 --limits records the limits the launcher applied, reported by ``info``.
@@ -1134,6 +1135,7 @@ class Daemon:
         self.connections = set()
         self.applied_limits = {}
         self.user = None  # (uid, gid) to drop to once listening
+        self.socket_mode = 0o600
         self.recv_buffer = bytearray(262144)
         self.recv_view = memoryview(self.recv_buffer)
 
@@ -1177,7 +1179,7 @@ class Daemon:
                 sock.bind(building)
             finally:
                 os.umask(old)
-            os.chmod(building, 0o600)
+            os.chmod(building, self.socket_mode)
             if self.user is not None:
                 os.chown(building, self.user[0], self.user[1])
             sock.listen(1024)
@@ -2321,7 +2323,7 @@ for _name, _kind in (
 def parse_args(argv):
     opts = {"listen": None, "token_file": None, "workdir": None, "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
-            "user": None, "limits": ""}
+            "user": None, "limits": "", "socket_mode": "0600"}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -2354,6 +2356,10 @@ def main(argv=None):
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
     daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")
                                  if item)
+    try:
+        daemon.socket_mode = int(opts["socket_mode"], 8) & 0o777
+    except ValueError:
+        raise SystemExit("sandmand: --socket-mode must be octal, got %r" % opts["socket_mode"])
     if opts["user"]:
         uid, _, gid = opts["user"].partition(":")
         daemon.user = (int(uid), int(gid or uid))

@@ -63,10 +63,11 @@ def get_pool(name: str = "default"):
 def shutdown_pool(name: str = "default") -> int:
     """Delete every sandbox of the pool and stop it; returns how many were deleted."""
     pool = get_pool(name)
-    deleted = ray.get(pool.shutdown.remote())
-    ray.kill(pool, no_restart=True)
-    _pools.pop(name, None)
-    return deleted
+    try:
+        return ray.get(pool.shutdown.remote())
+    finally:  # also when the provider could not delete everything: the error says so
+        ray.kill(pool, no_restart=True)
+        _pools.pop(name, None)
 
 
 def _client_id() -> str:

@@ -168,7 +168,8 @@ def test_image_env_workdir_and_user_are_honoured_and_its_entrypoint_not_run(clus
             "4242", "/tmp", "b", "yes"]
         client.close()
     finally:
-        assert run(provider.shutdown()) == 2
+        deleted = run(provider.shutdown())
+    assert deleted == 2
 
 
 def test_no_network_and_limits_from_the_spec(cluster, engine):
@@ -211,6 +212,14 @@ def test_reset_starts_a_fresh_container_and_create_is_idempotent(cluster, engine
     try:
         first, again = run(_twice(provider, "s1", spec))
         assert first.details["container"] == again.details["container"]
+        later = run(provider.create("s1", spec, {}))  # a retry after the first finished
+        assert (later.details["container"], later.token) == (first.details["container"],
+                                                             first.token)
+        # any user on the host may connect (the token guards it); nothing else is
+        # in the directory the sandbox can write to
+        sock = Path(first.address[len("unix:"):])
+        assert os.stat(sock).st_mode & 0o777 == 0o666
+        assert os.listdir(sock.parent) == ["sock"]
         client = DaemonClient(first.address, first.token)
         client.exec("echo dirty > /tmp/mark")
         client.close()
@@ -220,6 +229,23 @@ def test_reset_starts_a_fresh_container_and_create_is_idempotent(cluster, engine
         assert client.exec("cat /tmp/mark").exit_code != 0
         client.close()
         assert len(run(provider.list())) == 1
+    finally:
+        run(provider.shutdown())
+
+
+def test_delete_during_create_leaves_no_container(cluster, engine):
+    provider = make_provider(engine).bind("race-" + uuid.uuid4().hex[:6])
+
+    async def race():
+        creating = asyncio.ensure_future(provider.create("s1", SandboxSpec(image=BUSYBOX), {}))
+        await asyncio.sleep(0.02)  # the create is under way in the agent
+        await provider.delete("s1")
+        return await asyncio.gather(creating, return_exceptions=True)
+    try:
+        outcome, = run(race())
+        assert isinstance(outcome, ProviderError), outcome
+        assert "deleted while it was being created" in str(outcome)
+        assert containers(engine, provider.pool) == []
     finally:
         run(provider.shutdown())
 
@@ -260,20 +286,36 @@ def test_engine_errors_are_classified_for_pacing():
     assert engine_error(requests.exceptions.ConnectionError("refused"), "x").kind == "transient"
     assert engine_error(requests.exceptions.ReadTimeout("slow"), "x").kind == "transient"
     assert pull_error("a/b", api_error(500, "unauthorized: authentication required")).kind == "fatal"
-    assert "credentials" in str(pull_error("a/b", api_error(500, "denied")))
+    denied = "requested access to the resource is denied"
+    assert "credentials" in str(pull_error("a/b", api_error(500, denied)))
+    assert pull_error("a/b", api_error(500, "toomanyrequests: slow down")).kind == "throttled"
+    # a port or a digest that contains 401 is not an HTTP status
+    refused = "dial tcp 127.0.0.1:34015: connect: connection refused"
+    assert "unreachable" in str(pull_error("a/b", api_error(500, refused)))
     assert pull_error("a/b", requests.exceptions.ConnectionError("engine down")).kind == "transient"
     with pytest.raises(ValueError, match="transport"):
         DockerProvider(transport="ssh")
 
 
-def test_unreachable_engine_is_transient(cluster):
-    provider = DockerProvider(base_url="unix:///tmp/sandman-ray-test/no-such-engine.sock",
-                              state_root=STATE, cache_root=CACHE).bind("gone-" + uuid.uuid4().hex[:6])
-    with pytest.raises(ProviderError, match="unreachable or busy") as err:
-        run(provider.create("s1", SandboxSpec(image=BUSYBOX), {}))
-    assert err.value.kind == "transient"
-    with pytest.raises(ProviderError, match="unreachable or busy"):
-        run(provider.shutdown())  # says it could not clean up, and stops the agent anyway
+def test_engine_that_refuses_is_transient_and_a_missing_one_fatal(cluster):
+    where = Path("/tmp/sandman-ray-test")
+    where.mkdir(parents=True, exist_ok=True)
+    refusing = socket.socket(socket.AF_UNIX)  # bound, never listening: connections refused
+    path = where / ("refusing-%s.sock" % uuid.uuid4().hex[:6])
+    refusing.bind(str(path))
+    try:
+        for url, kind, reason in [("unix://%s" % path, "transient", "unreachable or busy"),
+                                  ("unix://%s/absent.sock" % where, "fatal", "no container engine")]:
+            provider = DockerProvider(base_url=url, state_root=STATE, cache_root=CACHE).bind(
+                "gone-" + uuid.uuid4().hex[:6])
+            with pytest.raises(ProviderError, match=reason) as err:
+                run(provider.create("s1", SandboxSpec(image=BUSYBOX), {}))
+            assert err.value.kind == kind
+            with pytest.raises(ProviderError, match=reason):
+                run(provider.shutdown())  # says it could not clean up, stops the agent anyway
+    finally:
+        refusing.close()
+        path.unlink()
 
 
 def test_cold_image_burst_pulls_once_and_serves_every_acquire(cluster, engine, registry,

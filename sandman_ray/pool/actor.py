@@ -69,6 +69,7 @@ class PoolActor:
         if hasattr(self.provider, "bind"):
             self.provider.bind(name)
         self.records: Dict[str, Sandbox] = {}
+        self.closing = False               # shutdown began
         self.leases: Dict[str, str] = {}   # lease id -> sandbox id
         self.waiters = FairQueue()
         self.bucket = AdaptiveTokenBucket(config.create_rate_per_s, config.create_burst)
@@ -212,6 +213,7 @@ class PoolActor:
     async def shutdown(self) -> int:
         """Delete every sandbox of the pool (leases end); returns how many."""
         await self._ensure_started()
+        self.closing = True  # no create starts from here on
         for waiter in list(self.waiters.waiting()):
             if not waiter.future.done():
                 waiter.future.set_exception(AcquireTimeout("pool %s is shutting down" % self.name))
@@ -275,6 +277,8 @@ class PoolActor:
         return wanted
 
     def _create_missing(self) -> None:
+        if self.closing:
+            return
         have: Dict[SandboxSpec, int] = {}
         for rec in self.records.values():
             if rec.state is State.READY or rec.state in COMING:

@@ -33,6 +33,7 @@ engine's own exec takes 82-92 ms.
 """
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -59,6 +60,8 @@ NODE_LABEL = "sandman.node"
 AGENT_LABEL = "sandman.agent"   # the incarnation of the agent that created the container
 SOCKET_DIR = "/run/sandman"
 TCP_PORT = 7000                 # where the daemon listens inside the container (tcp)
+PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
+MAX_SOCKET_PATH = 107           # sun_path, less its terminating NUL
 API_VERSION = "1.41"            # Docker 20.10+ and Podman 4 speak it
 
 
@@ -78,7 +81,30 @@ def engine_client(base_url: str, pool_size: int = 10):
 
 
 def container_name(pool: str, sandbox_id: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_.-]", "-", "sandman-%s-%s" % (pool, sandbox_id))
+    """Engines allow [a-zA-Z0-9_.-]; a short hash of the pool's name keeps two pools
+    whose names differ only in other characters apart."""
+    return "sandman-%s-%s-%s" % (re.sub(r"[^a-zA-Z0-9_.-]", "-", pool)[:40],
+                                 hashlib.sha256(pool.encode()).hexdigest()[:6],
+                                 re.sub(r"[^a-zA-Z0-9_.-]", "-", sandbox_id))
+
+
+def _short(pool: str, node_id: str) -> str:
+    """A pool and node's directory name: fixed length, whatever the pool is called."""
+    return "%s-%s" % (hashlib.sha256(pool.encode()).hexdigest()[:8], node_id[:8])
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost of an exception's arguments and causes (requests wraps urllib3,
+    which wraps the socket's OSError)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = exc.__cause__ or exc.__context__ or next(
+            (a for a in getattr(exc, "args", ()) if isinstance(a, BaseException)), None)
+        if inner is None:
+            return exc
+        exc = inner
+    return exc
 
 
 def engine_error(exc: BaseException, what: str) -> ProviderError:
@@ -87,6 +113,14 @@ def engine_error(exc: BaseException, what: str) -> ProviderError:
     import requests.exceptions
     if isinstance(exc, ProviderError):
         return exc
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        reason = _root_cause(exc)
+        if isinstance(reason, PermissionError):
+            return fatal("%s: no permission to use the container engine's socket (is this "
+                         "user in the docker group?): %s" % (what, exc))
+        if isinstance(reason, FileNotFoundError):
+            return fatal("%s: no container engine listens at this address (DockerProvider's "
+                         "base_url, or $DOCKER_HOST): %s" % (what, exc))
     if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
         return transient("%s: the container engine is unreachable or busy: %s" % (what, exc))
     if isinstance(exc, docker.errors.APIError):
@@ -120,29 +154,36 @@ class PullFailed(Exception):
     """The engine's own account of a failed pull."""
 
 
+# What registries and engines say, matched on whole words (a digest or a port number
+# must not read as an HTTP status).
 _PULL_FAILURES = (
-    (("manifest unknown", "name unknown", "not found", "no such image", "does not exist"),
+    (r"toomanyrequests|too many requests|\b429\b", throttled,
+     "the registry of image %s asks to slow down"),
+    (r"manifest unknown|name unknown|not found|no such image|does not exist|\b404\b", fatal,
      "image %s does not exist in its registry"),
-    (("unauthorized", "authentication required", "denied", "forbidden", "401", "403"),
+    (r"unauthorized|authentication required|access (to the resource )?is denied|access denied"
+     r"|forbidden|\b401\b|\b403\b", fatal,
      "the registry refused to serve image %s (credentials?)"),
-    (("connection refused", "no such host", "dial tcp", "i/o timeout", "tls:", "network is unreachable",
-      "server gave http response", "lookup ", "timeout"),
+    (r"connection refused|no such host|dial tcp|i/o timeout|tls:|network is unreachable"
+     r"|server gave http response|lookup |timeout", fatal,
      "the registry of image %s is unreachable"),
 )
 
 
 def pull_error(image: str, exc: BaseException) -> ProviderError:
-    """A failed pull, saying which failure it was: unknown image, refused credentials or
-    an unreachable registry are fatal (the engine already retried); an engine that
-    is itself unreachable or busy is transient."""
+    """A failed pull, saying which failure it was. An unknown image, refused
+    credentials or an unreachable registry are fatal: the engine already retried, and
+    every caller waiting for the image should learn why at once. A registry that asks
+    to slow down is throttled; an engine that is itself unreachable or busy, or a
+    progress stream cut off, is transient."""
     import requests.exceptions
-    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
-        return engine_error(exc, "pull %s" % image)
+    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                        requests.exceptions.ChunkedEncodingError)):
+        return transient("pull %s: the engine's answer broke off: %s" % (image, exc))
     text = str(getattr(exc, "explanation", None) or exc)
-    lowered = text.lower()
-    for needles, message in _PULL_FAILURES:
-        if any(n in lowered for n in needles):
-            return fatal("%s: %s" % (message % image, text))
+    for pattern, kind, message in _PULL_FAILURES:
+        if re.search(pattern, text, re.I):
+            return kind("%s: %s" % (message % image, text))
     return engine_error(exc, "pull %s" % image)
 
 
@@ -157,23 +198,32 @@ class DockerAgent:
         self.pool, self.node_id, self.base_url = pool, node_id, base_url
         self.ready_timeout_s, self.transport = ready_timeout_s, transport
         self.incarnation = secrets.token_hex(8)
-        # a directory per incarnation: the janitor of a dead agent removes its own
-        # directory and containers, never those of the agent that replaced it
-        self.state = Path(state_root) / pool / node_id[:16] / self.incarnation
-        self.engine = engine_client(base_url, pool_size=max_engine_calls + 2)
+        # <root>/<pool and node>/<incarnation>/<sandbox id>/sock, short enough for a
+        # unix socket path; a directory per incarnation, so the janitor of a dead agent
+        # removes its own directory, never that of the agent that replaced it
+        self.state = Path(state_root) / _short(pool, node_id) / self.incarnation[:8]
+        longest = self.state / ("x" * 24) / "sock.new"
+        if len(str(longest)) > MAX_SOCKET_PATH:
+            raise ValueError("DockerProvider.state_root %r is too long for unix socket paths "
+                             "(%d > %d characters)" % (state_root, len(str(longest)),
+                                                       MAX_SOCKET_PATH))
+        self.engine = engine_client(base_url, pool_size=max_engine_calls + PULLS_AT_ONCE + 2)
+        self.max_engine_calls = max_engine_calls
         self.executor = ThreadPoolExecutor(max_engine_calls, thread_name_prefix="engine")
-        self.engine_slots = asyncio.Semaphore(max_engine_calls)
+        self.pull_executor = ThreadPoolExecutor(PULLS_AT_ONCE, thread_name_prefix="pull")
+        self._slots: Optional[asyncio.Semaphore] = None  # made on the actor's loop
         self.node_ip = ray.util.get_node_ip_address()
         self.creating = SingleFlight()
-        self.closing = False  # shutdown began: no new containers
         self.pulling = SingleFlight()
-        self.present: set = set()      # images known to be on this engine
-        self.specs: Dict[str, tuple] = {}   # sandbox id -> (spec, labels), for reset
-        self.infos: Dict[str, SandboxInfo] = {}  # what create returned, for probes
+        self.closing = False          # shutdown began: no new containers
+        self.deleted: set = set()     # ids deleted while their create was in flight
+        self.present: set = set()     # images known to be on this engine
+        self.specs: Dict[str, tuple] = {}        # sandbox id -> (spec, labels), for reset
+        self.infos: Dict[str, SandboxInfo] = {}  # sandbox id -> what its create returned
         self.stats = {"pulls": 0, "creates": 0, "deletes": 0}
         self._remove_leftovers()
         self.state.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.state, 0o700)
+        os.chmod(self.state.parent, 0o700)
         self.bundle = ensure_bundle(Path(cache_root) / "bundle")
         self.janitor = self._start_janitor()
 
@@ -184,14 +234,20 @@ class DockerAgent:
         return ["%s=%s" % kv for kv in sorted(labels.items())]
 
     def _remove_leftovers(self) -> None:
-        """Containers and state an earlier agent of this pool and node left behind
-        (its janitor normally removes them; this covers a janitor that died too)."""
+        """Containers of this pool that no live agent owns: those an earlier agent on
+        this node left (its janitor normally removes them; this covers a janitor that
+        died too) and those of nodes no longer in the cluster (an earlier Ray session,
+        a node removed). Then the directory of this pool and node."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         try:
-            for container in list_containers(self.engine, self._mine()):
-                if (container.get("Labels") or {}).get(AGENT_LABEL) != self.incarnation:
+            for container in list_containers(self.engine, ["%s=%s" % (POOL_LABEL, self.pool)]):
+                labels = container.get("Labels") or {}
+                node = labels.get(NODE_LABEL)
+                if (node == self.node_id and labels.get(AGENT_LABEL) != self.incarnation) \
+                        or node not in alive:
                     self.engine.api.remove_container(container["Id"], force=True, v=True)
         except Exception as exc:  # the engine may be down now; creates will say so
-            logger.warning("docker agent %s: could not list leftovers: %s", self.node_id, exc)
+            logger.warning("docker agent %s: could not remove leftovers: %s", self.node_id, exc)
         shutil.rmtree(self.state.parent, ignore_errors=True)
 
     def _start_janitor(self):
@@ -206,9 +262,12 @@ class DockerAgent:
         return dict(self.stats)
 
     async def _engine(self, what: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on the thread pool, errors classified."""
+        """``fn(*args, **kwargs)`` on the thread pool, at most ``max_engine_calls`` at
+        once, errors classified."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_engine_calls)
         loop = asyncio.get_running_loop()
-        async with self.engine_slots:
+        async with self._slots:
             try:
                 return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
             except Exception as exc:
@@ -233,8 +292,8 @@ class DockerAgent:
         self.stats["pulls"] += 1
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        try:  # not under engine_slots: a long pull must not hold up deletes
-            await loop.run_in_executor(self.executor, self._pull_blocking, repository,
+        try:  # threads of their own: a long pull must not hold up deletes and probes
+            await loop.run_in_executor(self.pull_executor, self._pull_blocking, repository,
                                        tag or "latest")
         except Exception as exc:
             raise pull_error(image, exc) from exc
@@ -251,6 +310,11 @@ class DockerAgent:
     # ---- sandboxes
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels: Dict[str, str]) -> SandboxInfo:
+        """Idempotent: a retry while the first create runs joins it; a retry after it
+        finished returns the same sandbox."""
+        if sandbox_id in self.infos and sandbox_id not in self.creating.running:
+            return self.infos[sandbox_id]
+        self.deleted.discard(sandbox_id)
         return await self.creating.run(sandbox_id,
                                        lambda: self._create(sandbox_id, spec, labels))
 
@@ -266,7 +330,7 @@ class DockerAgent:
         return location
 
     def _container_config(self, sandbox_id: str, spec: SandboxSpec, image: str,
-                          labels: Dict[str, str], run_dir: Path) -> dict:
+                          labels: Dict[str, str], run_dir: Path, token: str) -> dict:
         from docker.types import Mount
         if self.transport == "tcp":
             listen = "tcp:0.0.0.0:%d" % TCP_PORT
@@ -275,12 +339,16 @@ class DockerAgent:
         config = dict(
             image=image, name=container_name(self.pool, sandbox_id),
             entrypoint=["/.sandman/bin/sandmand"],
-            command=["--listen", listen, "--token-file", SOCKET_DIR + "/token"],
+            # the socket is 0666: the host directory (0700 above it) and the token guard
+            # it, and the client need not be the user the image runs as
+            command=["--listen", listen, "--socket-mode", "0666"],
             labels=dict(labels, **{NODE_LABEL: self.node_id, AGENT_LABEL: self.incarnation}),
             hostname=re.sub(r"[^a-z0-9-]", "-", sandbox_id.lower())[:63],
             mounts=[Mount("/.sandman", str(self.bundle), type="bind", read_only=True),
                     Mount(SOCKET_DIR, str(run_dir), type="bind")],
-            environment=dict(spec.env), detach=True)
+            # the daemon reads the token and removes it from its environment before it
+            # starts anything; nothing is read back from the directory the sandbox can write
+            environment=dict(spec.env, SANDMAN_TOKEN=token), detach=True)
         if spec.workdir:
             config["working_dir"] = spec.workdir
         if spec.user:
@@ -298,55 +366,72 @@ class DockerAgent:
             config["pids_limit"] = spec.pids
         return config
 
-    async def _create(self, sandbox_id: str, spec: SandboxSpec,
-                      labels: Dict[str, str]) -> SandboxInfo:
-        import docker.errors
+    def _still_wanted(self, sandbox_id: str) -> None:
         if self.closing:
             raise fatal("sandbox %s: pool %s is shutting down" % (sandbox_id, self.pool))
+        if sandbox_id in self.deleted:
+            raise fatal("sandbox %s was deleted while it was being created" % sandbox_id)
+
+    async def _create(self, sandbox_id: str, spec: SandboxSpec,
+                      labels: Dict[str, str]) -> SandboxInfo:
+        self._still_wanted(sandbox_id)
         image = self._image_of(spec)
         started = time.monotonic()
         await self._ensure_image(image)
+        self._still_wanted(sandbox_id)  # a pull can take minutes
         pulled = time.monotonic()
         run_dir = self.state / sandbox_id
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
-        os.chmod(run_dir, 0o777)  # the image's user, whoever it is, makes the socket here
         token = secrets.token_hex(16)
-        token_file = run_dir / "token"
-        token_file.write_text(token)
-        os.chmod(token_file, 0o644)
-        config = self._container_config(sandbox_id, spec, image, labels, run_dir)
+        config = self._container_config(sandbox_id, spec, image, labels, run_dir, token)
         self.specs[sandbox_id] = (spec, labels)
         try:
-            container = await self._engine("create %s" % sandbox_id,
-                                           self.engine.containers.create, **config)
-        except ProviderError as exc:
-            if not (isinstance(exc.__cause__, docker.errors.APIError)
-                    and exc.__cause__.status_code == 409):
-                self._forget(sandbox_id)
-                raise
-            # a container of that name exists: a create the engine finished after we gave
-            # up on it. Replace it, so what runs is exactly this spec with this token.
-            await self._remove_container(sandbox_id)
-            container = await self._engine("create %s" % sandbox_id,
-                                           self.engine.containers.create, **config)
-        created = time.monotonic()
-        try:
-            if self.closing:
-                raise fatal("sandbox %s: pool %s is shutting down" % (sandbox_id, self.pool))
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            os.chmod(run_dir, 0o1777)  # the image's user, whoever it is, makes the socket here
+            container = await self._create_container(sandbox_id, config)
+            created = time.monotonic()
+            self._still_wanted(sandbox_id)
             await self._engine("start %s" % sandbox_id, container.start)
             address = await self._wait_listening(sandbox_id, container, run_dir, token)
+            self._still_wanted(sandbox_id)
         except BaseException:
-            await self._remove_container(sandbox_id)
+            try:
+                await asyncio.shield(self._remove_container(sandbox_id))
+            except Exception as exc:  # keep the create's own error; the janitor tries later
+                logger.warning("docker agent %s: cannot remove %s after a failed create: %s",
+                               self.node_id, sandbox_id, exc)
             self._forget(sandbox_id)
             raise
         self.stats["creates"] += 1
         info = self.infos[sandbox_id] = self._info(
             sandbox_id, address, token, config["labels"], details={
                 "container": container.id[:12], "engine": self.base_url, "image": image,
+                "spec": spec, "alive": True,
                 "timings": {"image_s": pulled - started, "create_s": created - pulled,
                             "start_ready_s": time.monotonic() - created}})
         return info
+
+    async def _create_container(self, sandbox_id: str, config: dict):
+        import docker.errors
+        try:
+            return await self._engine("create %s" % sandbox_id, self.engine.containers.create,
+                                      **config)
+        except ProviderError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, docker.errors.APIError) and cause.status_code == 409):
+                raise
+        # A container of that name exists: a create the engine finished after we gave up
+        # on it. If it is this pool's sandbox of that id, replace it, so what runs is
+        # exactly this spec with this token; anything else is not ours to remove.
+        existing = await self._engine("inspect %s" % sandbox_id, self.engine.api.inspect_container,
+                                      config["name"])
+        theirs = (existing.get("Config") or {}).get("Labels") or {}
+        if theirs.get(POOL_LABEL) != self.pool or theirs.get(SANDBOX_LABEL) != sandbox_id:
+            raise fatal("sandbox %s: the container name %s is taken by a container that is not "
+                        "this pool's" % (sandbox_id, config["name"]))
+        await self._remove_container(sandbox_id)
+        return await self._engine("create %s" % sandbox_id, self.engine.containers.create,
+                                  **config)
 
     def _info(self, sandbox_id, address, token, labels, created_at=None, details=None):
         return SandboxInfo(sandbox_id=sandbox_id, address=address, token=token,
@@ -357,46 +442,54 @@ class DockerAgent:
                               token: str) -> str:
         """The daemon's address once it accepts connections. A unix socket appears
         under its final name only once it listens (the daemon renames it), so its
-        path is the signal; a TCP port is tried until it answers. Every 0.25 s the
-        container is asked whether it still runs, so a daemon that cannot start fails
-        the create with its output instead of a timeout."""
+        path is the signal; a TCP port is tried until the daemon answers a hello.
+        Every 0.25 s the container is asked whether it still runs, so a daemon that
+        cannot start fails the create with its output instead of a timeout."""
         deadline = time.monotonic() + self.ready_timeout_s
         next_check = time.monotonic() + 0.25
+        tcp = await self._published(sandbox_id, container) if self.transport == "tcp" else None
+        pause = 0.005
         while time.monotonic() < deadline:
-            address = await self._listening(sandbox_id, container, run_dir, token)
-            if address:
-                return address
+            if tcp is None:
+                if (run_dir / "sock").exists():
+                    return "unix:%s" % (run_dir / "sock")
+            elif await self._answers(tcp, token):
+                return tcp
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.25
                 await self._engine("inspect %s" % sandbox_id, container.reload)
+                state = container.attrs.get("State") or {}
                 if container.status not in ("created", "running"):
                     logs = await self._engine("logs %s" % sandbox_id, container.logs, tail=20)
-                    raise transient("sandbox %s: its container %s before the daemon listened: %s"
-                                    % (sandbox_id, container.status,
-                                       logs.decode(errors="replace").strip()[-2000:]))
-            await asyncio.sleep(0.005)
+                    raise fatal("sandbox %s: its container %s (exit code %s%s) before the daemon "
+                                "listened: %s" % (
+                                    sandbox_id, container.status, state.get("ExitCode"),
+                                    ", out of memory" if state.get("OOMKilled") else "",
+                                    logs.decode(errors="replace").strip()[-2000:]))
+            await asyncio.sleep(pause)
+            if tcp is not None:
+                pause = min(0.1, pause * 2)  # each try is a connection through the engine's proxy
         raise transient("sandbox %s: the daemon did not listen within %.0f s"
                         % (sandbox_id, self.ready_timeout_s))
 
-    async def _listening(self, sandbox_id: str, container, run_dir: Path,
-                         token: str) -> Optional[str]:
-        if self.transport == "unix":
-            sock = run_dir / "sock"
-            return "unix:%s" % sock if sock.exists() else None
+    async def _published(self, sandbox_id: str, container) -> str:
         await self._engine("inspect %s" % sandbox_id, container.reload)
         ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
         bound = ports.get("%d/tcp" % TCP_PORT) or []
         if not bound:
-            return None
-        address = "tcp:%s:%s" % (self.node_ip, bound[0]["HostPort"])
+            raise fatal("sandbox %s: the engine published no port for the daemon" % sandbox_id)
+        return "tcp:%s:%s" % (self.node_ip, bound[0]["HostPort"])
+
+    @staticmethod
+    async def _answers(address: str, token: str) -> bool:
         # the engine's proxy may accept before the daemon listens: only a hello counts
         from sandman_ray.client import AsyncDaemonClient
         try:
             client = await AsyncDaemonClient.connect(address, token, connect_timeout=1.0)
         except SandmanError:
-            return None
+            return False
         client.close()
-        return address
+        return True
 
     def _forget(self, sandbox_id: str) -> None:
         self.specs.pop(sandbox_id, None)
@@ -415,6 +508,12 @@ class DockerAgent:
         return True
 
     async def delete(self, sandbox_id: str) -> None:
+        """Remove the sandbox; a create of it still in flight is told to stop, and is
+        waited for, so no container of it appears afterwards."""
+        running = self.creating.running.get(sandbox_id)
+        if running is not None:
+            self.deleted.add(sandbox_id)
+            await asyncio.gather(asyncio.shield(running), return_exceptions=True)
         if await self._remove_container(sandbox_id):
             self.stats["deletes"] += 1
         self._forget(sandbox_id)
@@ -431,40 +530,35 @@ class DockerAgent:
         """Ping and ``exec true`` through the sandbox's address, from this node."""
         info = self.infos.get(sandbox_id)
         if info is None:
-            for info in await self.list({SANDBOX_LABEL: sandbox_id}):
-                break
-            else:
-                raise transient("sandbox %s has no container" % sandbox_id)
+            raise transient("sandbox %s is not running on node %s" % (sandbox_id, self.node_id))
         await Provider.probe(self, info)
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         """The engine's containers of this pool on this node whose labels include
-        ``labels``, as the engine reports them."""
+        ``labels``, as the engine reports them. The token and spec are this agent's
+        memory: a container it does not know gets no token (the pool then finds it
+        does not answer, and deletes it)."""
         containers = await self._engine("list containers", list_containers, self.engine,
                                         self._mine(labels))
         infos = []
         for container in containers:
             own = container.get("Labels") or {}
             sandbox_id = own.get(SANDBOX_LABEL, "")
-            run_dir = self.state / sandbox_id
-            try:
-                token = (run_dir / "token").read_text()
-            except OSError:
-                token = ""  # state gone: the pool finds it does not answer and deletes it
-            if self.transport == "unix":
-                address = "unix:%s" % (run_dir / "sock")
-            else:
-                ports = [p.get("PublicPort") for p in container.get("Ports") or []
-                         if p.get("PrivatePort") == TCP_PORT]
-                address = "tcp:%s:%s" % (self.node_ip, ports[0] if ports else 0)
-            infos.append(self._info(sandbox_id, address, token, own, details={
-                "container": container["Id"][:12], "status": container.get("State"),
-                "engine": self.base_url}))
+            known = self.infos.get(sandbox_id)
+            running = container.get("State") == "running"
+            details = {"container": container["Id"][:12], "status": container.get("State"),
+                       "engine": self.base_url, "alive": running}
+            if known is not None:
+                details.update(spec=known.details["spec"], image=known.details["image"])
+            infos.append(self._info(sandbox_id, known.address if known else "",
+                                    known.token if known else "", own,
+                                    created_at=known.created_at if known else None,
+                                    details=details))
         return infos
 
     async def shutdown(self) -> int:
         """Remove every container of this pool on this node; returns how many. Creates
-        in flight finish first (they remove what they made), so none lands after."""
+        still in flight stop at their next step and remove what they made."""
         self.closing = True
         await asyncio.gather(*[asyncio.shield(f) for f in self.creating.running.values()],
                              return_exceptions=True)

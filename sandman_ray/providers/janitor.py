@@ -66,10 +66,13 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
         time.sleep(0.05)
     shutil.rmtree(state_dir, ignore_errors=True)
     shutil.rmtree(state_dir + ".trash", ignore_errors=True)
-    try:
-        os.rmdir(os.path.dirname(state_dir))  # the pool's directory, once its last node left
-    except OSError:
-        pass
+    parent = state_dir
+    for _ in range(2):  # the node's and the pool's directories, once they are empty
+        parent = os.path.dirname(parent)
+        try:
+            os.rmdir(parent)
+        except OSError:
+            break
     for group in cgroup_dirs:
         if not os.path.isdir(group):
             continue

@@ -9,6 +9,7 @@ the next agent of that pool and node removes whatever state the last one left.
 
 import asyncio
 import logging
+import secrets
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -37,7 +38,9 @@ class NodeAgent:
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         self.pool, self.node_id, self.ready_timeout_s = pool, node_id, ready_timeout_s
-        self.state = Path(state_root) / pool / node_id[:16]
+        # a directory per incarnation: the janitor of a dead agent of this pool and node
+        # kills and removes what names its own directory, never the next agent's
+        self.state = Path(state_root) / pool / node_id[:16] / secrets.token_hex(4)
         self.trash = self.state.parent / (self.state.name + ".trash")
         self.cgroup_parent = "sandman/%s-%s" % (pool, node_id[:16])
         self._remove_leftovers()
@@ -53,8 +56,7 @@ class NodeAgent:
         """What a dead agent of this pool and node left: its sandboxes died with it,
         their state directories and cgroups did not."""
         from sandman_ray.providers.bwrap import Cgroups
-        for path in (self.state, self.trash):
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(self.state.parent, ignore_errors=True)
         for base in (Cgroups.V1 / c / self.cgroup_parent for c in ("memory", "pids", "cpu")):
             if base.is_dir():
                 for leaf in base.iterdir():

@@ -9,6 +9,7 @@ agent is gone) and the agent-side single-flight helper.
 """
 
 import asyncio
+import logging
 import time
 from typing import Awaitable, Callable, Dict, List, Optional
 
@@ -17,8 +18,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandman_ray.errors import ProviderError, SandmanError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, transient)
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
 from sandman_ray.spec import SandboxSpec
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "sandman"
 NODES_TTL_S = 2.0
@@ -34,23 +37,23 @@ class SingleFlight:
     need the same image pulled)."""
 
     def __init__(self):
-        self.running: Dict[object, asyncio.Future] = {}
+        self.running: Dict[object, asyncio.Future] = {}  # key -> the task running it
 
     async def run(self, key, start: Callable[[], Awaitable]):
-        if key in self.running:
-            return await asyncio.shield(self.running[key])
-        fut = asyncio.get_running_loop().create_future()
-        self.running[key] = fut
-        try:
-            result = await start()
-        except BaseException as exc:
-            fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
-            fut.exception()  # retrieved: no "never retrieved" warning when nobody waits
-            raise
-        finally:
-            self.running.pop(key, None)
-        fut.set_result(result)
-        return result
+        """The outcome of ``start()``, run as a task of its own: a caller that is
+        cancelled stops waiting, and the run goes on for the others."""
+        task = self.running.get(key)
+        if task is None:
+            task = asyncio.ensure_future(start())
+            self.running[key] = task
+            task.add_done_callback(lambda done: self._finished(key, done))
+        return await asyncio.shield(task)
+
+    def _finished(self, key, task) -> None:
+        if self.running.get(key) is task:
+            del self.running[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
 
 def unwrapped(exc: ProviderError) -> ProviderError:
@@ -74,6 +77,7 @@ class NodeAgentProvider(Provider):
         self._where: Dict[str, str] = {}   # sandbox id -> node id
         self._next = 0
         self._nodes = None  # (when, alive node ids)
+        self._closed = False  # shut down: no agent is started any more
 
     def agent_class(self):
         raise NotImplementedError
@@ -108,11 +112,26 @@ class NodeAgentProvider(Provider):
         """The agent of this pool on ``node_id``, started if needed."""
         agent = self._agents.get(node_id)
         if agent is None:
+            if self._closed:
+                raise fatal("pool %s is shut down" % self.pool)
             agent = self.agent_class().options(
                 name=agent_name(self.pool, node_id, self.agent_kind), namespace=NAMESPACE,
                 lifetime="detached", get_if_exists=True, max_concurrency=10000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(*self.agent_args(node_id))
+            self._agents[node_id] = agent
+        return agent
+
+    def existing_agent(self, node_id: str):
+        """The agent of this pool on ``node_id`` if one runs, else None: listing and
+        deleting never start an agent (a node without one has none of our sandboxes)."""
+        agent = self._agents.get(node_id)
+        if agent is None:
+            try:
+                agent = ray.get_actor(agent_name(self.pool, node_id, self.agent_kind),
+                                      namespace=NAMESPACE)
+            except ValueError:
+                return None
             self._agents[node_id] = agent
         return agent
 
@@ -152,18 +171,32 @@ class NodeAgentProvider(Provider):
     async def delete(self, sandbox_id: str) -> None:
         node = self._where.pop(sandbox_id, None)
         for node_id in [node] if node else await self.alive_nodes():
+            agent = self.existing_agent(node_id)
+            if agent is None:
+                continue
             try:
-                await self.agent(node_id).delete.remote(sandbox_id)
+                await agent.delete.remote(sandbox_id)
             except ray.exceptions.RayActorError:
                 self._agents.pop(node_id, None)  # its sandboxes went with it
+            except ProviderError as exc:
+                raise unwrapped(exc) from None
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
+        """Every node's sandboxes; a node whose agent cannot answer (its engine is
+        down) is left out with a warning rather than hiding all the others."""
         found: List[SandboxInfo] = []
         for node_id in await self.alive_nodes():
+            agent = self.existing_agent(node_id)
+            if agent is None:
+                continue
             try:
-                infos = await self.agent(node_id).list.remote(labels)
+                infos = await agent.list.remote(labels)
             except ray.exceptions.RayActorError:
                 self._agents.pop(node_id, None)
+                continue
+            except ProviderError as exc:
+                logger.warning("pool %s: cannot list node %s: %s", self.pool, node_id,
+                               unwrapped(exc))
                 continue
             for info in infos:
                 self._where[info.sandbox_id] = node_id
@@ -193,7 +226,9 @@ class NodeAgentProvider(Provider):
             raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
 
     async def shutdown(self) -> int:
-        """Delete every sandbox of this pool and stop its agents."""
+        """Delete every sandbox of this pool and stop its agents; no agent starts
+        afterwards."""
+        self._closed = True
         total, failed = 0, None
         for node_id in await self.alive_nodes():
             try:

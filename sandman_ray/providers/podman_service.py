@@ -87,7 +87,11 @@ class PodmanService:
             ["podman", "system", "service", "--time=0", self.base_url], env=self.env(),
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
-        self._wait_answering(timeout_s)
+        try:
+            self._wait_answering(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _wait_answering(self, timeout_s: float) -> None:
@@ -104,7 +108,6 @@ class PodmanService:
                 return
             except requests.exceptions.ConnectionError:
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise PodmanError("podman system service did not answer within %.0f s: %s"
                                       % (timeout_s, self.log_tail()))
             time.sleep(0.05)  # waiting for another process's socket: nothing to select on

@@ -1270,9 +1270,29 @@ class Daemon:
         while remaining and time.monotonic() < deadline:
             remaining = [t for t in remaining if _running(t)]
             if remaining:
-                tick = self.loop.create_future()
-                self.loop.call_later(0.005, _resolve_once, tick)
-                await tick
+                await self._tick()
+        if os.getpid() == 1:
+            # As the sandbox's reaper, also wait for every member of the commands'
+            # process groups (each command leads its own), including those forked after
+            # the tree was read (a fork bomb), and reap them: until then they hold slots
+            # of the sandbox's pids limit, and the next command could not start.
+            groups = list(pids)
+            deadline = time.monotonic() + KILL_SETTLE_S
+            while groups and time.monotonic() < deadline:
+                self.children.reap()
+                groups = [g for g in groups if _group_exists(g)]
+                for group in groups:
+                    try:
+                        os.killpg(group, signal.SIGKILL)
+                    except OSError:
+                        pass
+                if groups:
+                    await self._tick()
+
+    async def _tick(self):
+        tick = self.loop.create_future()
+        self.loop.call_later(0.005, _resolve_once, tick)
+        await tick
 
     # ---- ops that answer at once
     def op_ping(self, req):
@@ -1982,6 +2002,17 @@ def _check_member(member, dest):
         link = os.path.realpath(os.path.join(base, member.linkname))
         if os.path.isabs(member.linkname) or not (link == root or link.startswith(root + os.sep)):
             raise RequestError("UnsafeArchive", "link %r points outside %s" % (member.name, dest))
+
+
+def _group_exists(pgid):
+    """True while any process, a zombie included, is in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _running(pid):

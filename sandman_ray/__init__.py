@@ -16,6 +16,7 @@ from sandman_ray.errors import (
     AcquireTimeout, AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout,
     ProtocolError, ProviderError, SandboxLost, SandmanError)
 from sandman_ray.providers.docker import DockerProvider
+from sandman_ray.providers.kubernetes import KubernetesProvider
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import PoolConfig, SandboxSpec
 
@@ -23,7 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcquireTimeout", "AsyncDaemonClient", "AuthError", "CallTimeout", "ConnectionLost",
-    "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat", "LocalProvider",
+    "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat",
+    "KubernetesProvider", "LocalProvider",
     "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
     "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
     "get_pool", "release", "release_async", "sandbox", "shutdown_pool",

@@ -84,6 +84,14 @@ def processes_matching(marker):
     return found
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a server a test starts)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(predicate, timeout=10.0, what="condition"):
     """Poll ``predicate`` until it holds (for effects outside our control: another
     process's exit), failing with ``what`` after ``timeout`` seconds."""

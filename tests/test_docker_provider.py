@@ -25,19 +25,13 @@ from sandman_ray.providers.docker import (
     DockerProvider, engine_client, engine_error, list_containers, pull_error)
 from sandman_ray.providers.podman_service import PodmanError, PodmanService
 from sandman_ray.spec import SandboxSpec
-from conftest import ROOT, exercise_handle, holding_driver, wait_until
+from conftest import ROOT, exercise_handle, free_port, holding_driver, wait_until
 
 WORK = Path("/tmp/sandman-ray-test/docker")
 STATE = str(WORK / "state")
 CACHE = str(ROOT / ".cache" / "provider")
 BUSYBOX = "localhost/sandman-test/busybox:1"
 CONFIGURED = "localhost/sandman-test/configured:1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Registry:

@@ -194,6 +194,17 @@ def test_stuck_pods_are_replaced_and_bad_images_fail_with_the_reason(cluster, si
         sandman.shutdown_pool(pool)
 
 
+def test_stuck_policy_fail_fails_the_acquire_with_the_reason(cluster, sim):
+    sim.configure(stuck_nodes=["sim-node-0", "sim-node-1"])
+    pool = make_pool(sim, provider_kw={"pending_timeout_s": 1.0, "stuck_policy": "fail"})
+    try:
+        with pytest.raises(ProviderError, match="ContainerCreating.*deleted$"):
+            sandman.acquire(IMAGE, pool=pool, timeout=60)
+        wait_until(lambda: sim.pods(pool) == [], timeout=10, what="the stuck pod's deletion")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
 def test_sigkilled_client_leaves_no_pod(cluster, sim):
     pool = make_pool(sim)
     try:

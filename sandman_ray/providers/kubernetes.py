@@ -19,7 +19,8 @@ Each pod runs the task image unmodified with the daemon as its command:
 - pods stuck in ``ErrImagePull``/``ImagePullBackOff``/``InvalidImageName`` fail the
   create with the reason (fatal: the image is wrong); pods Pending longer than
   ``pending_timeout_s`` (unschedulable, a node that never starts them) are deleted and
-  the create fails transient, so the pool replaces them;
+  the create fails transient, so the pool replaces them (or fatal, by
+  ``stuck_policy="fail"``);
 - delete is grace 0 with background propagation; pods are never reused (a fresh pod is
   a fresh sandbox).
 
@@ -141,6 +142,10 @@ class KubernetesProvider(Provider):
     max_api_calls: API requests in flight at once.
     request_timeout_s: a create unanswered this long is retried (and, if the first got
         through, adopted on the 409).
+    stuck_policy: what a pod not running after ``pending_timeout_s`` (unschedulable, a
+        node that never starts it) becomes: ``replace`` (deleted; the create fails
+        transient and the pool tries again) or ``fail`` (deleted; the acquire fails
+        with the reason). A bad image always fails, with the kubelet's reason.
     """
 
     supports_reset = False
@@ -150,13 +155,17 @@ class KubernetesProvider(Provider):
                  host: Optional[str] = None, kubeconfig: Optional[str] = None,
                  context: Optional[str] = None, daemon_port: int = 7000,
                  pending_timeout_s: float = 120.0, max_api_calls: int = 32,
-                 request_timeout_s: float = 30.0):
+                 request_timeout_s: float = 30.0, stuck_policy: str = "replace"):
         if pod_template is not None and not isinstance(pod_template, dict):
             raise ValueError("KubernetesProvider.pod_template must be a dict (a partial pod), "
                              "got %r" % type(pod_template).__name__)
         if not isinstance(daemon_port, int) or not 0 < daemon_port < 65536:
             raise ValueError("KubernetesProvider.daemon_port must be a TCP port, got %r"
                              % (daemon_port,))
+        if stuck_policy not in ("replace", "fail"):
+            raise ValueError("KubernetesProvider.stuck_policy must be 'replace' or 'fail', got %r"
+                             % (stuck_policy,))
+        self.stuck_policy = stuck_policy
         self.namespace, self.bundle_image = namespace, bundle_image
         self.pod_template, self.owner = pod_template or {}, owner
         self.host, self.kubeconfig, self.context = host, kubeconfig, context
@@ -187,7 +196,7 @@ class KubernetesProvider(Provider):
         state = {k: v for k, v in self.__dict__.items()
                  if k in ("namespace", "bundle_image", "pod_template", "owner", "host",
                           "kubeconfig", "context", "daemon_port", "pending_timeout_s",
-                          "max_api_calls", "request_timeout_s", "pool")}
+                          "max_api_calls", "request_timeout_s", "stuck_policy", "pool")}
         return state
 
     def __setstate__(self, state):
@@ -429,8 +438,10 @@ class KubernetesProvider(Provider):
             if left <= 0:
                 self.stats["replaced"] += 1
                 await self._delete_pod(name)
-                raise transient("sandbox %s: pod %s not running after %.0f s (%s); replaced"
-                                % (sandbox_id, name, self.pending_timeout_s, _pending_reason(pod)))
+                failure = fatal if self.stuck_policy == "fail" else transient
+                raise failure("sandbox %s: pod %s not running after %.0f s (%s); deleted%s" % (
+                    sandbox_id, name, self.pending_timeout_s, _pending_reason(pod),
+                    "" if self.stuck_policy == "fail" else ", the pool replaces it"))
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), left)

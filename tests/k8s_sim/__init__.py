@@ -5,8 +5,11 @@ on, so the KubernetesProvider is exercised against this simulation instead. It s
 the real HTTP API for the part the provider uses (pods: create, get, list, delete and
 watch, with label selectors and resourceVersions) and behaves like a busy cluster:
 
-- an API rate limit (token bucket): requests over it are answered 429 with
-  ``Retry-After``, as API Priority and Fairness does under overload;
+- an API rate limit (token bucket) shared by clients and the cluster's own components:
+  client requests over it are answered 429 with ``Retry-After`` (as API Priority and
+  Fairness does under overload), and turning one away still costs ``reject_cost`` of a
+  request; the scheduler's bindings and the kubelets' status updates wait their turn,
+  so a flood of client requests delays pods becoming Running;
 - a scheduler that binds at most ``schedule_rate_per_s`` pods a second to nodes with
   room (else the pod stays Pending with ``PodScheduled=False, reason=Unschedulable``);
 - a kubelet per node: the first pod of an image on a node waits ``pull_s`` for the pull

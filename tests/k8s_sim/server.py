@@ -26,6 +26,7 @@ class SimConfig:
     api_qps: float = 200.0             # API rate limit: requests per second ...
     api_burst: int = 400               # ... and burst; over it: 429 + Retry-After
     retry_after_s: int = 1
+    reject_cost: float = 0.1           # a 429 still costs the server this share of a request
     schedule_rate_per_s: float = 500.0
     pull_s: float = 1.0                # first pod of an image on a node waits this long
     start_s: float = 0.1               # container start
@@ -79,14 +80,23 @@ class TokenBucket:
         self.rate, self.burst = rate, burst
         self.tokens, self.at = float(burst), time.monotonic()
 
-    def take(self) -> bool:
+    def take(self, reject_cost: float = 0.0) -> bool:
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
         if self.tokens >= 1:
             self.tokens -= 1
             return True
+        # turning a request away is work too (authentication, authorization and parsing
+        # happen before a request is refused): it delays everyone, cluster components too
+        self.tokens -= reject_cost
         return False
+
+    async def wait(self) -> None:
+        """For the cluster's own components (scheduler binds, kubelet status updates):
+        they wait their turn rather than being turned away."""
+        while not self.take():
+            await asyncio.sleep(max(0.005, (1 - self.tokens) / self.rate))
 
 
 class SimCluster:
@@ -202,6 +212,9 @@ class SimCluster:
                     self.emit("MODIFIED", pod)
                 asyncio.get_running_loop().call_later(0.5, self._requeue, key)
                 continue
+            await self.bucket.wait()  # the binding is an API request too
+            if self.pods.get(key) is not pod:
+                continue
             turn += 1
             node = free[turn % len(free)]
             self.node_pods[node] += 1
@@ -266,6 +279,12 @@ class SimCluster:
                 if proc is not None:
                     stop_daemon(proc)
                 return
+        await self.bucket.wait()  # the kubelet's status update is an API request too
+        if self.pods.get(key) is not pod or pod["metadata"].get("deletionTimestamp"):
+            proc = self.daemons.pop(key, None)
+            if proc is not None:
+                stop_daemon(proc)
+            return
         self.by_ip[ip] = key
         pod["status"].update(
             phase="Running", podIP=ip, hostIP="10.0.0.%d" % (index + 1), startTime=now_rfc3339(),
@@ -380,7 +399,8 @@ def make_app(cluster: SimCluster):
     async def rate_limit(request, handler):
         cluster.stats["requests"] += 1
         watching = request.query.get("watch") in ("true", "1")
-        if not request.path.startswith("/sim/") and not watching and not cluster.bucket.take():
+        if not request.path.startswith("/sim/") and not watching and \
+                not cluster.bucket.take(cluster.config.reject_cost):
             cluster.stats["throttled"] += 1
             return error(ApiError(429, "TooManyRequests",
                                   "the server has received too many requests"),

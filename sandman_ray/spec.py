@@ -111,8 +111,21 @@ class SandboxSpec:
         return spec if isinstance(spec, SandboxSpec) else cls(image=spec)
 
     def __hash__(self):
-        return hash((self.key(), self.ttl_s, self.idle_timeout_s,
-                     tuple(sorted(self.labels.items()))))
+        # Cached: the pool hashes specs of every record on every tick (10,000 records
+        # made hashing its main cost). Never pickled: str hashes differ per process.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.key(), self.ttl_s, self.idle_timeout_s,
+                           tuple(sorted(self.labels.items()))))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state):
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
 
     def key(self) -> tuple:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""

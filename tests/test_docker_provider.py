@@ -232,7 +232,8 @@ def test_delete_during_create_leaves_no_container(cluster, engine):
 
     async def race():
         creating = asyncio.ensure_future(provider.create("s1", SandboxSpec(image=BUSYBOX), {}))
-        await asyncio.sleep(0.02)  # the create is under way in the agent
+        while "s1" not in provider._where:  # until the create is sent to the agent; the
+            await asyncio.sleep(0.005)      # delete, sent after it, then runs after it starts
         await provider.delete("s1")
         return await asyncio.gather(creating, return_exceptions=True)
     try:

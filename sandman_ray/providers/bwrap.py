@@ -117,7 +117,8 @@ class Cgroups:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
     def remove(self) -> None:
-        """Remove the leaf groups (their processes must be gone)."""
+        """Remove the leaf groups (their processes must be gone). Blocking: agents call
+        it on a worker thread (``SandboxProcess.remove`` through ``run_in_executor``)."""
         for path in self.dirs:
             for _ in range(50):
                 try:

@@ -150,6 +150,22 @@ def list_containers(engine, labels: List[str]) -> List[dict]:
     return engine.api.containers(all=True, filters={"label": labels})
 
 
+def remove_containers(engine, labels: List[str], keep=lambda labels: False) -> int:
+    """Remove the engine's containers carrying every ``key=value`` of ``labels``, with
+    their anonymous volumes, except those whose labels ``keep`` accepts; how many were
+    removed. One that cannot be removed (gone meanwhile, engine trouble) is logged."""
+    removed = 0
+    for container in list_containers(engine, labels):
+        if keep(container.get("Labels") or {}):
+            continue
+        try:
+            engine.api.remove_container(container["Id"], force=True, v=True)
+            removed += 1
+        except Exception as exc:
+            logger.warning("cannot remove container %s: %s", container["Id"][:12], exc)
+    return removed
+
+
 class PullFailed(Exception):
     """The engine's own account of a failed pull."""
 
@@ -239,13 +255,11 @@ class DockerAgent:
         died too) and those of nodes no longer in the cluster (an earlier Ray session,
         a node removed). Then the directory of this pool and node."""
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+        def owned_elsewhere(labels: Dict[str, str]) -> bool:  # by a live agent of another node
+            return labels.get(NODE_LABEL) in alive and labels.get(NODE_LABEL) != self.node_id
         try:
-            for container in list_containers(self.engine, ["%s=%s" % (POOL_LABEL, self.pool)]):
-                labels = container.get("Labels") or {}
-                node = labels.get(NODE_LABEL)
-                if (node == self.node_id and labels.get(AGENT_LABEL) != self.incarnation) \
-                        or node not in alive:
-                    self.engine.api.remove_container(container["Id"], force=True, v=True)
+            remove_containers(self.engine, ["%s=%s" % (POOL_LABEL, self.pool)], owned_elsewhere)
         except Exception as exc:  # the engine may be down now; creates will say so
             logger.warning("docker agent %s: could not remove leftovers: %s", self.node_id, exc)
         shutil.rmtree(self.state.parent, ignore_errors=True)

@@ -87,20 +87,6 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
             pass
 
 
-def remove_containers(engine_url: str, label: str) -> int:
-    """Remove every container of the engine at ``engine_url`` labelled ``label``
-    (``key=value``), with its anonymous volumes; how many there were."""
-    from sandman_ray.providers.docker import engine_client, list_containers
-    engine = engine_client(engine_url)
-    containers = list_containers(engine, [label])
-    for container in containers:
-        try:
-            engine.api.remove_container(container["Id"], force=True, v=True)
-        except Exception as exc:  # already gone, or the engine is: nothing more to do
-            print("janitor: cannot remove %s: %s" % (container["Id"][:12], exc), file=sys.stderr)
-    return len(containers)
-
-
 def main(argv) -> int:
     containers = None
     if "--containers" in argv:
@@ -125,8 +111,9 @@ def main(argv) -> int:
 
 
 def _remove_containers_reporting(engine_url: str, label: str) -> None:
+    from sandman_ray.providers.docker import engine_client, remove_containers
     try:
-        remove_containers(engine_url, label)
+        remove_containers(engine_client(engine_url), [label])
     except Exception as exc:
         print("janitor: cannot reach the engine at %s: %s" % (engine_url, exc), file=sys.stderr)
 

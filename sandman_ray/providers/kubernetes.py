@@ -193,11 +193,8 @@ class KubernetesProvider(Provider):
         return self
 
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items()
-                 if k in ("namespace", "bundle_image", "pod_template", "owner", "host",
-                          "kubeconfig", "context", "daemon_port", "pending_timeout_s",
-                          "max_api_calls", "request_timeout_s", "stuck_policy", "pool")}
-        return state
+        # the configuration travels; the client, threads and watch state (``_*``) do not
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "stats"}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

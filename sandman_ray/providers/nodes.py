@@ -78,6 +78,7 @@ class NodeAgentProvider(Provider):
         self._next = 0
         self._nodes = None  # (when, alive node ids)
         self._closed = False  # shut down: no agent is started any more
+        self._creating: Dict[str, bool] = {}  # sandbox id -> deleted while being created
 
     def agent_class(self):
         raise NotImplementedError
@@ -94,6 +95,7 @@ class NodeAgentProvider(Provider):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_agents"], state["_where"], state["_nodes"] = {}, {}, None
+        state["_creating"] = {}
         return state
 
     # ---- agents
@@ -159,16 +161,27 @@ class NodeAgentProvider(Provider):
         labels = dict(spec.labels)
         labels.update(labels_given)
         labels.update({POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
+        self._creating[sandbox_id] = False
         try:
-            return await self.agent(node).create.remote(sandbox_id, spec, labels)
+            info = await self.agent(node).create.remote(sandbox_id, spec, labels)
         except ray.exceptions.RayActorError as exc:
             self._where.pop(sandbox_id, None)
             raise self._agent_gone(node, exc) from exc
         except ProviderError as exc:
             self._where.pop(sandbox_id, None)
             raise unwrapped(exc) from None
+        finally:
+            deleted = self._creating.pop(sandbox_id, False)  # two creates of one id: one entry
+        if deleted:
+            # An async actor may run the delete before the create it followed: the
+            # delete wins either way, and nothing of the create is left.
+            await self.delete(sandbox_id)
+            raise fatal("sandbox %s was deleted while it was being created" % sandbox_id)
+        return info
 
     async def delete(self, sandbox_id: str) -> None:
+        if sandbox_id in self._creating:
+            self._creating[sandbox_id] = True
         node = self._where.pop(sandbox_id, None)
         for node_id in [node] if node else await self.alive_nodes():
             agent = self.existing_agent(node_id)

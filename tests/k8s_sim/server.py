@@ -274,16 +274,11 @@ class SimCluster:
             except (OSError, RuntimeError) as exc:
                 self._waiting(pod, "CrashLoopBackOff", str(exc))
                 return
-            if self.pods.get(key) is not pod:
-                proc = self.daemons.pop(key, None)
-                if proc is not None:
-                    stop_daemon(proc)
-                return
         await self.bucket.wait()  # the kubelet's status update is an API request too
         if self.pods.get(key) is not pod or pod["metadata"].get("deletionTimestamp"):
-            proc = self.daemons.pop(key, None)
+            proc = self.daemons.pop(key, None)  # deleted while it started
             if proc is not None:
-                stop_daemon(proc)
+                asyncio.get_running_loop().run_in_executor(None, stop_daemon, proc)
             return
         self.by_ip[ip] = key
         pod["status"].update(

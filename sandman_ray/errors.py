@@ -39,6 +39,9 @@ class DaemonError(SandmanError):
         self.op = op
         self.errno = errno
 
+    def __reduce__(self):  # pickled by Ray when it crosses a task or actor call
+        return (type(self), (self.type, self.message, self.op, self.errno))
+
 
 class ExecTimeout(SandmanError, TimeoutError):
     """A command ran past its timeout; ``result`` holds what it printed until then."""
@@ -46,6 +49,9 @@ class ExecTimeout(SandmanError, TimeoutError):
     def __init__(self, message: str, result=None):
         super().__init__(message)
         self.result = result
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.result))
 
 
 class SandboxLost(SandmanError):
@@ -66,3 +72,6 @@ class ProviderError(SandmanError):
             raise ValueError("ProviderError kind must be throttled, transient or fatal, not %r" % kind)
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.kind))

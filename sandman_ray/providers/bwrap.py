@@ -298,26 +298,40 @@ class SandboxProcess:
         self.ready_fd = ready_r
         self.started_at = time.time()
 
+    def _take_ready_fd(self) -> int:
+        """The ready pipe, owned by the caller from here on: a ``kill`` meanwhile (from
+        a delete on another thread) leaves it open, and the caller reads EOF."""
+        fd, self.ready_fd = self.ready_fd, None
+        if fd is None:
+            raise SandboxLost("sandbox %s was stopped before its daemon was ready"
+                              % self.sandbox_id)
+        return fd
+
     async def wait_ready(self, timeout: float) -> str:
         """Wait (without blocking the loop) until the daemon listens."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         buf = bytearray()
+        fd = self._take_ready_fd()
 
         def readable():
-            chunk = os.read(self.ready_fd, 256)
+            if done.done():
+                return
+            try:
+                chunk = os.read(fd, 256)
+            except OSError:
+                chunk = b""
             buf.extend(chunk)
-            if (not chunk or buf.endswith(b"\n")) and not done.done():
+            if not chunk or buf.endswith(b"\n"):
                 done.set_result(bool(chunk))
-        loop.add_reader(self.ready_fd, readable)
+        loop.add_reader(fd, readable)
         try:
             ok = await asyncio.wait_for(done, timeout)
         except asyncio.TimeoutError:
             ok = False
         finally:
-            loop.remove_reader(self.ready_fd)
-            os.close(self.ready_fd)
-            self.ready_fd = None
+            loop.remove_reader(fd)
+            os.close(fd)
         if not ok:
             raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
                               % (self.sandbox_id, timeout, self._failure()))
@@ -326,18 +340,18 @@ class SandboxProcess:
     def wait_ready_blocking(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         buf = b""
+        fd = self._take_ready_fd()
         try:
             while not buf.endswith(b"\n"):
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.ready_fd], [], [], left)[0]:
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
                     break
-                chunk = os.read(self.ready_fd, 256)
+                chunk = os.read(fd, 256)
                 if not chunk:
                     break
                 buf += chunk
         finally:
-            os.close(self.ready_fd)
-            self.ready_fd = None
+            os.close(fd)
         if not buf.endswith(b"\n"):
             raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
                               % (self.sandbox_id, timeout, self._failure()))

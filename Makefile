@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# one stamp per extra: make demo installs what the example needs, make test also
+# RLlib and a CPU build of torch
+STAMP = $(VENV)/.installed-$(1)
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
 # (unshare, prlimit) around sandboxes, skopeo and umoci for images, debootstrap for the
@@ -17,19 +19,21 @@ DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo
 system-packages:
 	@tools/ensure-debian-packages $(DEBIAN_PACKAGES)
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+
+$(VENV)/.installed-%: pyproject.toml $(VENV)/bin/python
+	$(BIN)/pip install -q -e '.[$*]'
 	touch $@
 
-demo: system-packages $(STAMP)
-	$(BIN)/python examples/daemon_demo.py
+demo: system-packages $(call STAMP,examples)
+	$(BIN)/python examples/rl_rollout/train.py
 
-test: system-packages $(STAMP)
+test: system-packages $(call STAMP,test)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-bench: system-packages $(STAMP)
+bench: system-packages $(call STAMP,test)
 	$(BIN)/python bench/noop.py
 
 clean:

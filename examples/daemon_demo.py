@@ -1,7 +1,7 @@
 """A tour of the sandbox daemon: a busybox image (no libc, no Python) in a bubblewrap
 sandbox, the self-contained daemon bundle inside it, and the client driving it.
 
-Run with ``make demo``.
+Run with ``.venv/bin/python examples/daemon_demo.py``.
 """
 
 import statistics

@@ -8,8 +8,10 @@ own frame definitions and codec.
 """
 
 import asyncio
+import io
 import itertools
 import socket
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
@@ -326,6 +328,18 @@ class _Operations:
         """Stop every process of the sandbox and the daemon itself."""
         return self._call("shutdown", _present({"kill_grace_s": kill_grace_s}),
                                  timeout=self.default_timeout)
+
+
+def tar_of(files: Dict[str, Union[str, bytes]], mode: int = 0o644) -> bytes:
+    """An uncompressed tar of ``{relative path: contents}``, for ``put_archive``."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for path, contents in sorted(files.items()):
+            data = contents.encode() if isinstance(contents, str) else bytes(contents)
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 def _parse_address(address: str):

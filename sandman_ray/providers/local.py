@@ -23,7 +23,7 @@ from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name"]
+__all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
 
 DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
 DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
@@ -167,6 +167,26 @@ class NodeAgent:
         await asyncio.get_running_loop().run_in_executor(
             None, clean, str(self.state), self.cgroup_dirs, 0.0)
         return len(ids)
+
+
+def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list]:
+    """What of ``pool``'s sandboxes is left on this host, found without asking any actor:
+    live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
+    on their own) and sandbox state directories. Empty lists once a pool is shut down."""
+    from sandman_ray.providers.janitor import sandbox_processes
+    pool_dir = Path(state_root) / pool
+    processes = []
+    for pid in sandbox_processes(str(pool_dir) + "/"):
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as fh:
+                if b"sandman_ray.providers.janitor" not in fh.read():
+                    processes.append(pid)
+        except OSError:
+            continue
+    # state_root/pool/<node>/<agent incarnation>/<sandbox id>
+    directories = [str(d) for d in pool_dir.glob("*/*/*")
+                   if d.is_dir() and not d.parent.name.endswith(".trash")]
+    return {"processes": processes, "directories": directories}
 
 
 class LocalProvider(NodeAgentProvider):

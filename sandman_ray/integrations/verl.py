@@ -1,0 +1,267 @@
+"""``SandboxTool``: a shell tool with verl's tool lifecycle, one sandbox per trajectory.
+
+verl calls a tool as ``create`` -> ``execute`` (once or many times) -> ``calc_reward``
+-> ``release``, all ``async``; its agent loop may do that once per tool *call*. An
+agent's shell only makes sense if the calls of one trajectory share state, so this
+tool keys sandboxes by trajectory: every instance created with the same trajectory id
+(``trajectory_id=`` or ``create_kwargs={"trajectory_id": ...}``; without one, each
+instance is its own trajectory) uses the same sandbox and the same shell session, and
+the sandbox goes back to the pool ``linger_s`` after the trajectory's last instance is
+released, or at once on ``release_trajectory``.
+
+verl is not imported: the class has the methods and the ``(config, tool_schema)``
+constructor verl's tool config instantiates (``class_name:
+sandman_ray.integrations.verl.SandboxTool``). When verl is installed, responses are its
+``ToolResponse``; otherwise a small stand-in with the same ``text`` field.
+
+config (all optional):
+    pool: the sandman pool to lease from (``default``).
+    image: the sandbox image (``host``), or spec: a dict of SandboxSpec fields.
+    workdir: where a trajectory's shell starts and files land (``/tmp/work``).
+    exec_timeout_s: per command (30). acquire_timeout_s: per sandbox (120).
+    reward_command: run by ``calc_reward``; reward 1.0 when it exits 0.
+    linger_s: how long an idle trajectory keeps its sandbox (60).
+    max_output_chars: output returned to the model per call (4000).
+"""
+
+import asyncio
+import shlex
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import sandman_ray as sandman
+from sandman_ray.client import tar_of
+from sandman_ray.errors import SandmanError
+from sandman_ray.spec import SandboxSpec
+
+try:  # verl's own response type when verl is installed
+    from verl.tools.schemas import ToolResponse
+except ImportError:  # pragma: no cover - depends on the environment
+    @dataclass
+    class ToolResponse:  # type: ignore[no-redef]
+        """What the model sees of a tool call (verl's ToolResponse has the same field)."""
+
+        text: Optional[str] = None
+
+__all__ = ["SandboxTool", "ToolResponse"]
+
+DEFAULT_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "description": "Run a bash command in this task's sandbox. The working directory, "
+                       "variables and files persist between calls.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+@dataclass
+class _Trajectory:
+    """One trajectory's sandbox and the tool instances that use it."""
+
+    trajectory_id: str
+    ready: asyncio.Future
+    instances: set = field(default_factory=set)
+    linger: Optional[asyncio.TimerHandle] = None
+    released: bool = False
+
+
+class SandboxTool:
+    """A verl-style tool whose instances share a sandbox per trajectory (see module)."""
+
+    def __init__(self, config: Optional[Dict[str, Any]] = None, tool_schema: Any = None):
+        config = dict(config or {})
+        known = {"pool", "image", "spec", "workdir", "exec_timeout_s", "acquire_timeout_s",
+                 "reward_command", "linger_s", "max_output_chars", "type"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError("SandboxTool config has unknown keys %s (known: %s)"
+                             % (unknown, sorted(known)))
+        self.pool = config.get("pool", "default")
+        self.spec = SandboxSpec(**config["spec"]) if "spec" in config \
+            else SandboxSpec.of(config.get("image", "host"))
+        self.workdir = config.get("workdir", "/tmp/work")
+        self.exec_timeout_s = float(config.get("exec_timeout_s", 30.0))
+        self.acquire_timeout_s = float(config.get("acquire_timeout_s", 120.0))
+        self.reward_command = config.get("reward_command")
+        self.linger_s = float(config.get("linger_s", 60.0))
+        self.max_output_chars = int(config.get("max_output_chars", 4000))
+        if self.linger_s < 0 or self.exec_timeout_s <= 0 or self.max_output_chars < 1:
+            raise ValueError("SandboxTool: linger_s must be >= 0, exec_timeout_s > 0 and "
+                             "max_output_chars >= 1")
+        self.tool_schema = tool_schema if tool_schema is not None else DEFAULT_SCHEMA
+        self.name = _schema_name(self.tool_schema)
+        self._trajectories: Dict[str, _Trajectory] = {}
+        self._instances: Dict[str, str] = {}  # instance id -> trajectory id
+
+    def get_openai_tool_schema(self):
+        return self.tool_schema
+
+    # ------------------------------------------------------------------ lifecycle
+    async def create(self, instance_id: Optional[str] = None, trajectory_id: Optional[str] = None,
+                     create_kwargs: Optional[Dict[str, Any]] = None,
+                     **kwargs) -> Tuple[str, ToolResponse]:
+        """A tool instance on its trajectory's sandbox (leased on the trajectory's first
+        create). ``create_kwargs`` may carry ``trajectory_id``, ``files`` (``{relative
+        path: contents}`` put under ``workdir``) and ``setup`` (a command run once)."""
+        create_kwargs = dict(create_kwargs or {})
+        instance_id = instance_id or uuid.uuid4().hex
+        if instance_id in self._instances:
+            raise SandmanError("tool instance %s already exists" % instance_id)
+        key = str(trajectory_id or create_kwargs.get("trajectory_id") or instance_id)
+        traj = self._trajectories.get(key)
+        if traj is None or traj.released:
+            traj = _Trajectory(key, asyncio.get_running_loop().create_future())
+            self._trajectories[key] = traj
+            traj.instances.add(instance_id)
+            self._instances[instance_id] = key
+            try:
+                traj.ready.set_result(await self._open(create_kwargs))
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    traj.ready.cancel()
+                else:
+                    traj.ready.set_exception(exc)
+                    traj.ready.exception()  # retrieved: joiners see it through await
+                self._forget(instance_id)
+                self._trajectories.pop(key, None)
+                raise
+        else:
+            if traj.linger is not None:
+                traj.linger.cancel()
+                traj.linger = None
+            traj.instances.add(instance_id)
+            self._instances[instance_id] = key
+            try:
+                await asyncio.shield(traj.ready)
+            except BaseException:
+                self._forget(instance_id)
+                raise
+        return instance_id, ToolResponse(text="sandbox ready for trajectory %s" % key)
+
+    async def _open(self, create_kwargs: Dict[str, Any]):
+        sandbox = await sandman.acquire_async(self.spec, pool=self.pool,
+                                              timeout=self.acquire_timeout_s)
+        try:
+            await sandbox.mkdir.remote(self.workdir)
+            if create_kwargs.get("files"):
+                await sandbox.put_archive.remote(self.workdir, tar_of(create_kwargs["files"]))
+            await sandbox.run.remote("cd " + shlex.quote(self.workdir),
+                                     timeout=self.exec_timeout_s)
+            if create_kwargs.get("setup"):
+                result = await sandbox.run.remote(create_kwargs["setup"],
+                                                  timeout=self.exec_timeout_s)
+                if result.exit_code != 0:
+                    raise SandmanError("setup command exited %s: %s"
+                                       % (result.exit_code, result.stderr[-500:]))
+        except BaseException:
+            await sandman.release_async(sandbox)
+            raise
+        return sandbox
+
+    async def execute(self, instance_id: str, parameters: Dict[str, Any],
+                      **kwargs) -> Tuple[ToolResponse, float, Dict[str, Any]]:
+        """Run ``parameters["command"]`` in the trajectory's shell session. A malformed
+        call is answered with an error text for the model (it is the model's mistake),
+        not raised."""
+        sandbox = await self._sandbox(instance_id)
+        command = parameters.get("command") if isinstance(parameters, dict) else None
+        if not isinstance(command, str) or not command.strip():
+            return (ToolResponse(text="error: the shell tool needs a non-empty string "
+                                      "parameter 'command', got %r" % (parameters,)),
+                    0.0, {"error": "bad parameters"})
+        started = time.perf_counter()
+        result = await sandbox.run.remote(command, timeout=self.exec_timeout_s)
+        text = (result.stdout + result.stderr).decode("utf-8", "replace")
+        if len(text) > self.max_output_chars:
+            text = text[:self.max_output_chars] + "\n[... %d more characters]" % (
+                len(text) - self.max_output_chars)
+        if result.timed_out:
+            text += "\n[timed out after %g s]" % self.exec_timeout_s
+        text += "\n[exit code %s]" % result.exit_code
+        return ToolResponse(text=text), 0.0, {
+            "exit_code": result.exit_code, "timed_out": result.timed_out,
+            "latency_s": time.perf_counter() - started}
+
+    async def calc_reward(self, instance_id: str, reward_command: Optional[str] = None,
+                          **kwargs) -> float:
+        """1.0 when the reward command (argument, else config) exits 0 in the sandbox."""
+        command = reward_command or self.reward_command
+        if not command:
+            raise SandmanError("SandboxTool.calc_reward needs a reward_command "
+                               "(in the tool config or as an argument)")
+        sandbox = await self._sandbox(instance_id)
+        result = await sandbox.exec.remote(command, cwd=self.workdir,
+                                           timeout=self.exec_timeout_s)
+        return 1.0 if result.ok else 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        """End a tool instance; its trajectory's sandbox stays ``linger_s`` for the
+        trajectory's next call, then goes back to the pool."""
+        key = self._forget(instance_id)
+        traj = self._trajectories.get(key) if key else None
+        if traj is None or traj.instances or traj.released:
+            return
+        if self.linger_s == 0:
+            await self.release_trajectory(key)
+        else:
+            loop = asyncio.get_running_loop()
+            traj.linger = loop.call_later(
+                self.linger_s, lambda: loop.create_task(self._release_if_idle(traj)))
+
+    async def release_trajectory(self, trajectory_id: str) -> bool:
+        """Give the trajectory's sandbox back now (its instances end too). False when the
+        trajectory has no sandbox."""
+        traj = self._trajectories.pop(str(trajectory_id), None)
+        if traj is None or traj.released:
+            return False
+        traj.released = True
+        if traj.linger is not None:
+            traj.linger.cancel()
+        for instance_id in list(traj.instances):
+            self._instances.pop(instance_id, None)
+        try:
+            sandbox = await asyncio.shield(traj.ready)
+        except Exception:
+            return False  # its create failed: nothing was leased
+        await sandman.release_async(sandbox)
+        return True
+
+    async def close(self) -> None:
+        """Release every trajectory's sandbox."""
+        await asyncio.gather(*(self.release_trajectory(k) for k in list(self._trajectories)))
+
+    def open_trajectories(self) -> int:
+        return len(self._trajectories)
+
+    # ------------------------------------------------------------------ helpers
+    async def _release_if_idle(self, traj: _Trajectory) -> None:
+        if not traj.instances and self._trajectories.get(traj.trajectory_id) is traj:
+            await self.release_trajectory(traj.trajectory_id)
+
+    def _forget(self, instance_id: str) -> Optional[str]:
+        key = self._instances.pop(instance_id, None)
+        traj = self._trajectories.get(key) if key else None
+        if traj is not None:
+            traj.instances.discard(instance_id)
+        return key
+
+    async def _sandbox(self, instance_id: str):
+        key = self._instances.get(instance_id)
+        if key is None:
+            raise SandmanError("no tool instance %s (never created, or released)" % instance_id)
+        return await asyncio.shield(self._trajectories[key].ready)
+
+
+def _schema_name(schema: Any) -> str:
+    if isinstance(schema, dict):
+        return schema.get("function", {}).get("name", "shell")
+    function = getattr(schema, "function", None)
+    return getattr(function, "name", "shell")

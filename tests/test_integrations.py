@@ -1,0 +1,212 @@
+"""The trainer integrations on a real local Ray with the LocalProvider: the gymnasium
+``SandboxEnv`` (and the example's ``CodeRepairEnv`` on it), and the verl-style
+``SandboxTool`` driven the way verl's agent loop drives a tool."""
+
+import asyncio
+import sys
+import uuid
+
+import pytest
+import ray
+
+import sandman_ray as sandman
+from conftest import ROOT, require_bwrap, wait_until
+
+EXAMPLE = ROOT / "examples" / "rl_rollout"
+sys.path.insert(0, str(EXAMPLE))
+
+gymnasium = pytest.importorskip("gymnasium")
+from sandman_ray.integrations.gym import SandboxEnv  # noqa: E402
+from sandman_ray.integrations.verl import SandboxTool  # noqa: E402
+
+STATE = "/tmp/sandman-ray-test/integrations-state"
+CACHE = str(ROOT / ".cache" / "provider")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_bwrap()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-integration-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLE)}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def pool(cluster):
+    name = "i-" + uuid.uuid4().hex[:8]
+    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
+                        warm={"host": 2}, sweep_interval_s=0.2, lease_grace_s=3.0)
+    yield name
+    sandman.shutdown_pool(name)
+
+
+def leased(pool: str) -> int:
+    return ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
+
+
+class MarkerEnv(SandboxEnv):
+    """Writes a marker in reset; step(0) says whether an earlier episode's marker is
+    still there (it must not be: each episode gets a reset sandbox)."""
+
+    observation_space = gymnasium.spaces.Discrete(2)
+    action_space = gymnasium.spaces.Discrete(1)
+
+    def setup(self, options):
+        seen = self.exec("ls /tmp/marker").exit_code == 0
+        self.put_files({"marker": "episode %d" % self.episodes}, "/tmp")
+        return int(seen), {}
+
+    def act(self, action):
+        text = self.read_file("/tmp/marker").decode()
+        return 0, float(text == "episode %d" % self.episodes), True, False, {}
+
+
+def test_sandbox_env_leases_a_reset_sandbox_per_episode(pool):
+    env = MarkerEnv(pool=pool)
+    with pytest.raises(sandman.SandmanError, match="before reset"):
+        env.step(0)
+    for _ in range(3):
+        seen_before, _ = env.reset()
+        assert seen_before == 0  # nothing of the last episode is left
+        assert env.step(0)[1] == 1.0
+        assert leased(pool) == 1
+    env.close()
+    assert leased(pool) == 0
+    env.close()  # twice is fine
+
+
+def test_code_repair_env_rewards_the_right_edit_only(pool):
+    from gymnasium.utils.env_checker import check_env
+    from coderepair import FIX
+    from env import CodeRepairEnv
+    env = CodeRepairEnv({"pool": pool})
+    check_env(env, skip_render_check=True)
+    obs, info = env.reset(seed=11)
+    assert env.observation_space.contains(obs)
+    assert env.step(FIX[info["family"]])[1:3] == (1.0, True)
+    _, info = env.reset(seed=12)
+    wrong = next(i for i, offered in enumerate(info["offered"])
+                 if offered and i != FIX[info["family"]])
+    assert env.step(wrong)[1] == 0.0
+    env.close()
+    assert leased(pool) == 0
+
+
+def test_env_of_a_killed_worker_leaves_no_lease(pool):
+    @ray.remote(num_cpus=0)
+    class Runner:
+        def __init__(self, pool):
+            from env import CodeRepairEnv  # the example's directory is on the workers' path
+            self.env = CodeRepairEnv({"pool": pool})
+
+        def start(self):
+            self.env.reset()
+            return True
+
+    runner = Runner.remote(pool)
+    assert ray.get(runner.start.remote())
+    assert leased(pool) == 1
+    ray.kill(runner)
+    wait_until(lambda: leased(pool) == 0, timeout=15, what="the killed worker's lease reclaimed")
+
+
+# ---------------------------------------------------------------------- verl-style tool
+async def tool_call(tool, trajectory_id, command):
+    """One tool call as verl's agent loop makes it: create, execute, release."""
+    instance_id, _ = await tool.create(create_kwargs={"trajectory_id": trajectory_id})
+    try:
+        response, reward, metrics = await tool.execute(instance_id, {"command": command})
+        return response.text, metrics
+    finally:
+        await tool.release(instance_id)
+
+
+def test_tool_calls_of_a_trajectory_share_one_sandbox(pool):
+    async def trajectory(tool, name):
+        await tool_call(tool, name, "mkdir -p sub && cd sub && export WHO=%s" % name)
+        await tool_call(tool, name, "echo $WHO > who.txt; touch only-%s" % name)
+        text, metrics = await tool_call(tool, name, "pwd; cat who.txt; ls")
+        return text, metrics
+
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 30, "reward_command": "test -f sub/done"})
+        results = await asyncio.gather(*(trajectory(tool, "t%d" % i) for i in range(3)))
+        during = leased(pool)
+        instance, _ = await tool.create(trajectory_id="t0")
+        before = await tool.calc_reward(instance)
+        await tool.execute(instance, {"command": "touch done"})
+        after = await tool.calc_reward(instance)
+        await tool.release(instance)
+        assert tool.open_trajectories() == 3
+        await tool.close()
+        return results, during, before, after, tool.open_trajectories()
+
+    results, during, before, after, still_open = asyncio.run(main())
+    assert during == 3  # one sandbox per trajectory, not per call
+    for i, (text, metrics) in enumerate(results):
+        lines = text.splitlines()
+        assert lines[0] == "/tmp/work/sub" and lines[1] == "t%d" % i
+        assert "only-t%d" % i in lines and not any(
+            "only-t%d" % j in lines for j in range(3) if j != i)  # trajectories are apart
+        assert metrics["exit_code"] == 0 and lines[-1] == "[exit code 0]"
+    assert (before, after) == (0.0, 1.0)
+    assert still_open == 0 and leased(pool) == 0
+
+
+def test_tool_gives_an_idle_trajectory_sandbox_back_after_linger(pool):
+    async def leases():
+        return (await sandman.get_pool(pool).status.remote())["states"]["leased"]
+
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 0.5})
+        await tool_call(tool, "t", "true")
+        kept = await leases()  # kept for the trajectory's next call
+        await tool_call(tool, "t", "true")
+        deadline = asyncio.get_running_loop().time() + 10
+        while await leases() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return kept, await leases(), tool.open_trajectories()
+
+    assert asyncio.run(main()) == (1, 0, 0)
+
+
+def test_tool_files_setup_timeouts_and_bad_calls(pool):
+    async def main():
+        tool = SandboxTool({"pool": pool, "exec_timeout_s": 0.5, "linger_s": 0})
+        instance, _ = await tool.create(create_kwargs={
+            "files": {"src/app.py": "print('hi')\n"}, "setup": "mkdir -p out"})
+        out = {}
+        out["files"] = (await tool.execute(instance, {"command": "cat src/app.py; ls"}))[0].text
+        out["slow"] = (await tool.execute(instance, {"command": "sleep 5"}))[0].text
+        out["after"] = (await tool.execute(instance, {"command": "echo alive"}))[0].text
+        out["bad"] = await tool.execute(instance, {"cmd": "ls"})
+        await tool.release(instance)
+        with pytest.raises(sandman.SandmanError, match="no tool instance"):
+            await tool.execute(instance, {"command": "true"})
+        with pytest.raises(sandman.SandmanError, match="reward_command"):
+            other, _ = await tool.create()
+            try:
+                await tool.calc_reward(other)
+            finally:
+                await tool.release(other)
+        with pytest.raises(sandman.SandmanError, match="setup command exited"):
+            await tool.create(create_kwargs={"setup": "exit 3"})
+        return out, tool.open_trajectories()
+
+    out, still_open = asyncio.run(main())
+    assert "print('hi')" in out["files"] and "out" in out["files"].split()
+    assert "[timed out after 0.5 s]" in out["slow"]
+    assert out["after"].startswith("alive")
+    text, reward, metrics = out["bad"]
+    assert "needs a non-empty string parameter 'command'" in text.text and reward == 0.0
+    assert still_open == 0 and leased(pool) == 0
+    with pytest.raises(ValueError, match="unknown keys"):
+        SandboxTool({"pool": pool, "imgae": "host"})
+
+
+def test_tool_schema_is_what_verl_reads():
+    tool = SandboxTool({})
+    schema = tool.get_openai_tool_schema()
+    assert tool.name == "shell" == schema["function"]["name"]
+    assert schema["function"]["parameters"]["required"] == ["command"]

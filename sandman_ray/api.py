@@ -127,8 +127,7 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
         lease = ray.get(pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
                                                 timeout, name), timeout=timeout + 30)
     except BaseException as exc:
-        if idle is not None:
-            _keep_idle(idle)
+        _after_failed_lease(idle, exc)
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
         raise
@@ -146,9 +145,8 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
     try:
         lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
                                               timeout, name)
-    except BaseException:
-        if idle is not None:
-            _keep_idle(idle)
+    except BaseException as exc:
+        _after_failed_lease(idle, exc)
         raise
     handle, must_register = _holder(lease, pool, idle, name)
     await handle.bind.remote(lease, must_register)
@@ -165,6 +163,19 @@ def release(handle) -> None:
 async def release_async(handle) -> None:
     await handle.release.remote()
     _keep_idle(handle)
+
+
+def _after_failed_lease(idle, exc: BaseException) -> None:
+    """A lease request that named ``idle`` failed. When the pool refused it (an error
+    of ours), ``idle`` holds nothing and is kept; when the request was cancelled or not
+    answered, the pool may still lend a sandbox to that name, so the handle is killed
+    and the pool's watchdog reclaims the lease."""
+    if idle is None:
+        return
+    if isinstance(exc, SandmanError):
+        _keep_idle(idle)
+    else:
+        ray.kill(idle)
 
 
 def _keep_idle(handle) -> None:

@@ -32,11 +32,26 @@ def cluster():
     ray.shutdown()
 
 
+def new_pool(**config):
+    name = "i-" + uuid.uuid4().hex[:8]
+    config.setdefault("warm", {"host": 2})
+    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
+                        sweep_interval_s=0.2, lease_grace_s=3.0, **config)
+    return name
+
+
 @pytest.fixture
 def pool(cluster):
-    name = "i-" + uuid.uuid4().hex[:8]
-    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
-                        warm={"host": 2}, sweep_interval_s=0.2, lease_grace_s=3.0)
+    name = new_pool()
+    yield name
+    sandman.shutdown_pool(name)
+
+
+@pytest.fixture
+def one_sandbox_pool(cluster):
+    """Every episode gets the same sandbox: what one episode left, the next would see
+    unless the pool reset it."""
+    name = new_pool(warm={"host": 1}, max_sandboxes=1)
     yield name
     sandman.shutdown_pool(name)
 
@@ -62,15 +77,19 @@ class MarkerEnv(SandboxEnv):
         return 0, float(text == "episode %d" % self.episodes), True, False, {}
 
 
-def test_sandbox_env_leases_a_reset_sandbox_per_episode(pool):
+def test_sandbox_env_leases_a_reset_sandbox_per_episode(one_sandbox_pool):
+    pool = one_sandbox_pool
     env = MarkerEnv(pool=pool)
     with pytest.raises(sandman.SandmanError, match="before reset"):
         env.step(0)
+    sandbox_ids = set()
     for _ in range(3):
         seen_before, _ = env.reset()
+        sandbox_ids.add(ray.get(env.sandbox.sandbox_id.remote()))
         assert seen_before == 0  # nothing of the last episode is left
         assert env.step(0)[1] == 1.0
         assert leased(pool) == 1
+    assert len(sandbox_ids) == 1  # the same sandbox each time, reset in between
     env.close()
     assert leased(pool) == 0
     env.close()  # twice is fine
@@ -154,21 +173,82 @@ def test_tool_calls_of_a_trajectory_share_one_sandbox(pool):
     assert still_open == 0 and leased(pool) == 0
 
 
-def test_tool_gives_an_idle_trajectory_sandbox_back_after_linger(pool):
-    async def leases():
-        return (await sandman.get_pool(pool).status.remote())["states"]["leased"]
+async def leases(pool):
+    return (await sandman.get_pool(pool).status.remote())["states"]["leased"]
 
+
+async def until_no_lease(pool, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await leases(pool) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return await leases(pool)
+
+
+def test_tool_keeps_an_idle_trajectory_sandbox_for_linger_s_then_gives_it_back(pool):
     async def main():
-        tool = SandboxTool({"pool": pool, "linger_s": 0.5})
-        await tool_call(tool, "t", "true")
-        kept = await leases()  # kept for the trajectory's next call
-        await tool_call(tool, "t", "true")
-        deadline = asyncio.get_running_loop().time() + 10
-        while await leases() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        return kept, await leases(), tool.open_trajectories()
+        tool = SandboxTool({"pool": pool, "linger_s": 1.0})
+        await tool_call(tool, "t", "echo kept > note")
+        kept = await leases(pool)
+        second, _ = await tool_call(tool, "t", "cat note")  # within linger: same sandbox
+        return kept, second, await until_no_lease(pool), tool.open_trajectories()
 
-    assert asyncio.run(main()) == (1, 0, 0)
+    kept, second, after, still_open = asyncio.run(main())
+    assert kept == 1 and second.startswith("kept")
+    assert after == 0 and still_open == 0
+
+
+def test_tool_concurrent_first_calls_of_a_trajectory_lease_once(pool):
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 30})
+        texts = await asyncio.gather(*(tool_call(tool, "same", "echo %d >> calls" % i)
+                                       for i in range(4)))
+        during = await leases(pool)
+        lines, _ = await tool_call(tool, "same", "sort calls")
+        await tool.close()
+        return texts, during, lines, await leases(pool)
+
+    texts, during, lines, after = asyncio.run(main())
+    assert during == 1 and lines.split()[:4] == ["0", "1", "2", "3"]
+    assert after == 0
+
+
+def test_tool_a_cancelled_create_neither_fails_the_others_nor_leaks(pool):
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 0})
+        first = asyncio.ensure_future(tool.create(trajectory_id="t"))
+        second = asyncio.ensure_future(tool.create(trajectory_id="t"))
+        await asyncio.sleep(0)  # both are waiting for the sandbox
+        first.cancel()
+        instance, _ = await second  # the sandbox still comes, for the one who waits
+        text = (await tool.execute(instance, {"command": "echo ok"}))[0].text
+        await tool.release(instance)
+        alone = asyncio.ensure_future(tool.create(trajectory_id="u"))
+        await asyncio.sleep(0)
+        alone.cancel()  # cancelled with nobody else on it: what it leased goes back
+        with pytest.raises(asyncio.CancelledError):
+            await alone
+        await tool.close()
+        return first.cancelled(), text, await until_no_lease(pool), tool.open_trajectories()
+
+    first_cancelled, text, after, still_open = asyncio.run(main())
+    assert first_cancelled and text.startswith("ok")
+    assert after == 0 and still_open == 0
+
+
+def test_tool_close_during_linger_and_create_during_release(pool):
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 30})
+        await tool_call(tool, "a", "echo 1 > mark")
+        await tool_call(tool, "b", "true")
+        releasing = asyncio.ensure_future(tool.release_trajectory("a"))
+        await asyncio.sleep(0)
+        fresh, _ = await tool_call(tool, "a", "cat mark || echo none")  # a new sandbox
+        assert await releasing
+        await tool.close()  # "b" lingers; close gives it (and the new "a") back now
+        return fresh, await leases(pool), tool.open_trajectories()
+
+    fresh, after, still_open = asyncio.run(main())
+    assert "none" in fresh and after == 0 and still_open == 0
 
 
 def test_tool_files_setup_timeouts_and_bad_calls(pool):

@@ -58,7 +58,7 @@ def test_training_loop_learns_from_sandbox_rewards_and_leaves_nothing(tmp_path):
     proc = run_example("train.py", "--iterations", "8", "--episodes", "32", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert run["errors"] == 0 and run["sandboxes_left"] == 0
+    assert run["errors"] == 0 and run["leases_open"] == 0 and run["sandboxes_left"] == 0
     assert run["last_reward"] >= run["first_reward"] + 0.25
     assert [h["episodes"] for h in run["history"]] == [32] * 8
     assert "sandboxes left: 0" in proc.stdout and "summary" in proc.stdout

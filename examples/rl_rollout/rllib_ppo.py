@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     init_ray("rllib-ppo")
     ran = episodes = 0
+    leased = -1
     try:
         in_flight = args.env_runners * args.envs_per_runner
         sandman.create_pool(POOL, warm={args.image: in_flight}, max_sandboxes=in_flight + 4,
@@ -81,13 +82,14 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + 30  # leases of stopped EnvRunners are reclaimed
         while ray.get(pool.status.remote())["states"]["leased"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        print("leases open after stop: %d" % ray.get(pool.status.remote())["states"]["leased"])
+        leased = ray.get(pool.status.remote())["states"]["leased"]
+        print("leases open after stop: %d" % leased)
         sandman.shutdown_pool(POOL)
     finally:
         ray.shutdown()
     n_left = sandboxes_left(POOL, args.state_root)
     print("sandboxes left: %d" % n_left)
-    return 0 if ran == args.iterations and episodes > 0 and n_left == 0 else 1
+    return 0 if ran == args.iterations and episodes > 0 and leased == 0 and n_left == 0 else 1
 
 
 if __name__ == "__main__":

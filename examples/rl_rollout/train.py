@@ -29,7 +29,7 @@ from coderepair import EDITS, FEATURES  # noqa: E402
 from policy import LinearPolicy  # noqa: E402
 
 POOL = "rl-rollout"
-ROSE_BY = 0.25  # the last two iterations' mean reward must beat the first's by this
+ROSE_BY = 0.25  # the last iterations' mean reward must beat the first's by this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -159,7 +159,7 @@ def summarize(args, run: Dict, n_left: int) -> bool:
     execs = [s * 1e3 for r in records for s in r["exec_s"]]
     episode = [r["episode_s"] * 1e3 for r in records]
     first = history[0]["reward"]
-    last = float(np.mean([h["reward"] for h in history[-2:]]))
+    last = float(np.mean([h["reward"] for h in history[-2 if len(history) >= 4 else -1:]]))
     stats = run["pool"]["stats"]
     print("\nsummary")
     rows = [
@@ -185,15 +185,17 @@ def summarize(args, run: Dict, n_left: int) -> bool:
     for error in run["errors"][:5]:
         print("  episode error: %s" % error)
     print("reward: first iteration %.2f -> last iterations %.2f" % (first, last))
+    leased = run["pool"]["states"]["leased"]
+    print("leases open after the last iteration: %d" % leased)
     print("sandboxes left: %d" % n_left)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "history": history, "first_reward": first, "last_reward": last,
-            "errors": len(run["errors"]), "sandboxes_left": n_left,
+            "errors": len(run["errors"]), "sandboxes_left": n_left, "leases_open": leased,
             "wall_s": run["wall_s"]}, indent=1))
     if args.plot:
         plot(history, args.plot)
-    ok = n_left == 0 and not run["errors"]
+    ok = n_left == 0 and leased == 0 and not run["errors"]
     if args.policy == "linear":
         rose = last >= first + ROSE_BY
         if not rose:

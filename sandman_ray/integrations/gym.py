@@ -79,8 +79,13 @@ class SandboxEnv(gym.Env):
         self.episodes += 1
         try:
             return self.setup(options)
-        except BaseException:
-            self._release()
+        except BaseException as exc:
+            try:
+                self._release()
+            except Exception as release_error:  # keep the setup error; say both
+                raise SandmanError("%s.setup failed (%s) and its sandbox could not be "
+                                   "released: %s" % (type(self).__name__, exc, release_error)
+                                   ) from exc
             raise
 
     def step(self, action):

@@ -7,7 +7,8 @@ tool keys sandboxes by trajectory: every instance created with the same trajecto
 (``trajectory_id=`` or ``create_kwargs={"trajectory_id": ...}``; without one, each
 instance is its own trajectory) uses the same sandbox and the same shell session, and
 the sandbox goes back to the pool ``linger_s`` after the trajectory's last instance is
-released, or at once on ``release_trajectory``.
+released, or at once on ``release_trajectory``. The trajectory id must name one rollout
+(see ``create``).
 
 verl is not imported: the class has the methods and the ``(config, tool_schema)``
 constructor verl's tool config instantiates (``class_name:
@@ -64,13 +65,17 @@ DEFAULT_SCHEMA = {
 
 @dataclass
 class _Trajectory:
-    """One trajectory's sandbox and the tool instances that use it."""
+    """One trajectory's sandbox and the tool instances that use it.
+
+    opening: the task that leases and prepares the sandbox; it belongs to the
+        trajectory, not to the create that started it, so cancelling that create does
+        not cancel it for the others (or leak what it leased).
+    """
 
     trajectory_id: str
-    ready: asyncio.Future
+    opening: "asyncio.Task"
     instances: set = field(default_factory=set)
     linger: Optional[asyncio.TimerHandle] = None
-    released: bool = False
 
 
 class SandboxTool:
@@ -98,8 +103,9 @@ class SandboxTool:
                              "max_output_chars >= 1")
         self.tool_schema = tool_schema if tool_schema is not None else DEFAULT_SCHEMA
         self.name = _schema_name(self.tool_schema)
-        self._trajectories: Dict[str, _Trajectory] = {}
-        self._instances: Dict[str, str] = {}  # instance id -> trajectory id
+        self._trajectories: Dict[str, _Trajectory] = {}  # open trajectories by id
+        self._instances: Dict[str, _Trajectory] = {}     # instance id -> its trajectory
+        self._giving_back: set = set()                   # release tasks in flight
 
     def get_openai_tool_schema(self):
         return self.tool_schema
@@ -110,40 +116,35 @@ class SandboxTool:
                      **kwargs) -> Tuple[str, ToolResponse]:
         """A tool instance on its trajectory's sandbox (leased on the trajectory's first
         create). ``create_kwargs`` may carry ``trajectory_id``, ``files`` (``{relative
-        path: contents}`` put under ``workdir``) and ``setup`` (a command run once)."""
+        path: contents}`` put under ``workdir``) and ``setup`` (a command run once).
+
+        The trajectory id must name one rollout: the ``create_kwargs`` of a dataset row
+        are the same for all n samples of a prompt, so put a per-sample id there (or
+        pass ``trajectory_id=``), never the row's index alone."""
         create_kwargs = dict(create_kwargs or {})
         instance_id = instance_id or uuid.uuid4().hex
         if instance_id in self._instances:
             raise SandmanError("tool instance %s already exists" % instance_id)
         key = str(trajectory_id or create_kwargs.get("trajectory_id") or instance_id)
         traj = self._trajectories.get(key)
-        if traj is None or traj.released:
-            traj = _Trajectory(key, asyncio.get_running_loop().create_future())
-            self._trajectories[key] = traj
-            traj.instances.add(instance_id)
-            self._instances[instance_id] = key
-            try:
-                traj.ready.set_result(await self._open(create_kwargs))
-            except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError):
-                    traj.ready.cancel()
-                else:
-                    traj.ready.set_exception(exc)
-                    traj.ready.exception()  # retrieved: joiners see it through await
-                self._forget(instance_id)
-                self._trajectories.pop(key, None)
-                raise
-        else:
-            if traj.linger is not None:
-                traj.linger.cancel()
-                traj.linger = None
-            traj.instances.add(instance_id)
-            self._instances[instance_id] = key
-            try:
-                await asyncio.shield(traj.ready)
-            except BaseException:
-                self._forget(instance_id)
-                raise
+        if traj is None:
+            opening = asyncio.get_running_loop().create_task(self._open(create_kwargs))
+            traj = self._trajectories[key] = _Trajectory(key, opening)
+        elif traj.linger is not None:
+            traj.linger.cancel()
+            traj.linger = None
+        traj.instances.add(instance_id)
+        self._instances[instance_id] = traj
+        try:
+            await asyncio.shield(traj.opening)
+        except BaseException:
+            self._forget(instance_id)
+            if traj.opening.done() and not traj.opening.cancelled() \
+                    and traj.opening.exception() is not None:
+                self._drop(traj)  # nothing was leased; the next create tries again
+            else:
+                self._idle(traj)  # this create was cancelled: the sandbox may be unused now
+            raise
         return instance_id, ToolResponse(text="sandbox ready for trajectory %s" % key)
 
     async def _open(self, create_kwargs: Dict[str, Any]):
@@ -205,59 +206,89 @@ class SandboxTool:
     async def release(self, instance_id: str, **kwargs) -> None:
         """End a tool instance; its trajectory's sandbox stays ``linger_s`` for the
         trajectory's next call, then goes back to the pool."""
-        key = self._forget(instance_id)
-        traj = self._trajectories.get(key) if key else None
-        if traj is None or traj.instances or traj.released:
-            return
-        if self.linger_s == 0:
-            await self.release_trajectory(key)
-        else:
-            loop = asyncio.get_running_loop()
-            traj.linger = loop.call_later(
-                self.linger_s, lambda: loop.create_task(self._release_if_idle(traj)))
+        traj = self._forget(instance_id)
+        if traj is not None:
+            self._idle(traj)
+            if self.linger_s == 0:
+                await self._wait_given_back()
 
     async def release_trajectory(self, trajectory_id: str) -> bool:
         """Give the trajectory's sandbox back now (its instances end too). False when the
         trajectory has no sandbox."""
-        traj = self._trajectories.pop(str(trajectory_id), None)
-        if traj is None or traj.released:
+        traj = self._trajectories.get(str(trajectory_id))
+        if traj is None:
             return False
-        traj.released = True
-        if traj.linger is not None:
-            traj.linger.cancel()
-        for instance_id in list(traj.instances):
-            self._instances.pop(instance_id, None)
-        try:
-            sandbox = await asyncio.shield(traj.ready)
-        except Exception:
-            return False  # its create failed: nothing was leased
-        await sandman.release_async(sandbox)
-        return True
+        return await asyncio.shield(self._give_back(traj))
 
     async def close(self) -> None:
-        """Release every trajectory's sandbox."""
-        await asyncio.gather(*(self.release_trajectory(k) for k in list(self._trajectories)))
+        """Release every trajectory's sandbox, and wait for releases under way."""
+        for traj in list(self._trajectories.values()):
+            self._give_back(traj)
+        await self._wait_given_back()
 
     def open_trajectories(self) -> int:
         return len(self._trajectories)
 
     # ------------------------------------------------------------------ helpers
-    async def _release_if_idle(self, traj: _Trajectory) -> None:
-        if not traj.instances and self._trajectories.get(traj.trajectory_id) is traj:
-            await self.release_trajectory(traj.trajectory_id)
-
-    def _forget(self, instance_id: str) -> Optional[str]:
-        key = self._instances.pop(instance_id, None)
-        traj = self._trajectories.get(key) if key else None
+    def _forget(self, instance_id: str) -> Optional[_Trajectory]:
+        traj = self._instances.pop(instance_id, None)
         if traj is not None:
             traj.instances.discard(instance_id)
-        return key
+        return traj
+
+    def _drop(self, traj: _Trajectory) -> None:
+        """Forget ``traj`` (only if it is still the open trajectory of its id)."""
+        if self._trajectories.get(traj.trajectory_id) is traj:
+            del self._trajectories[traj.trajectory_id]
+        if traj.linger is not None:
+            traj.linger.cancel()
+            traj.linger = None
+        for instance_id in list(traj.instances):
+            self._instances.pop(instance_id, None)
+        traj.instances.clear()
+
+    def _idle(self, traj: _Trajectory) -> None:
+        """``traj`` may have no instance left: give its sandbox back after ``linger_s``."""
+        if traj.instances or self._trajectories.get(traj.trajectory_id) is not traj \
+                or traj.linger is not None:
+            return
+        if self.linger_s == 0:
+            self._give_back(traj)
+        else:
+            traj.linger = asyncio.get_running_loop().call_later(
+                self.linger_s, self._linger_over, traj)
+
+    def _linger_over(self, traj: _Trajectory) -> None:
+        traj.linger = None
+        if not traj.instances:
+            self._give_back(traj)
+
+    def _give_back(self, traj: _Trajectory) -> "asyncio.Task":
+        """Start returning ``traj``'s sandbox to the pool (a tracked task that a
+        cancelled caller does not stop)."""
+        self._drop(traj)
+
+        async def give_back() -> bool:
+            try:
+                sandbox = await traj.opening
+            except BaseException:
+                return False  # its create failed: nothing was leased
+            await sandman.release_async(sandbox)
+            return True
+        task = asyncio.get_running_loop().create_task(give_back())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+        return task
+
+    async def _wait_given_back(self) -> None:
+        while self._giving_back:
+            await asyncio.gather(*list(self._giving_back), return_exceptions=True)
 
     async def _sandbox(self, instance_id: str):
-        key = self._instances.get(instance_id)
-        if key is None:
+        traj = self._instances.get(instance_id)
+        if traj is None:
             raise SandmanError("no tool instance %s (never created, or released)" % instance_id)
-        return await asyncio.shield(self._trajectories[key].ready)
+        return await asyncio.shield(traj.opening)
 
 
 def _schema_name(schema: Any) -> str:

@@ -10,9 +10,10 @@ STAMP = $(VENV)/.installed-$(1)
 # (unshare, prlimit) around sandboxes, skopeo and umoci for images, debootstrap for the
 # Debian test image, podman, runc and iptables (netavark's port publishing) for the
 # DockerProvider's engine (Podman's Docker API service; the tests start their own),
-# docker-registry for the tests' pulls.
+# docker-registry for the tests' pulls, chromium for the test that looks at the Ray
+# dashboard.
 DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
-	podman runc iptables docker-registry
+	podman runc iptables docker-registry chromium
 
 .PHONY: demo test bench system-packages clean
 
@@ -31,7 +32,7 @@ demo: system-packages $(call STAMP,examples)
 	$(BIN)/python examples/rl_rollout/train.py
 
 test: system-packages $(call STAMP,test)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 bench: system-packages $(call STAMP,test)
 	$(BIN)/python bench/noop.py

@@ -84,6 +84,14 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
+def _request_lease(pool: str, spec: SpecLike, client: Optional[str], timeout: float,
+                   handle_name: str):
+    """The pool's ``lease`` call (an ObjectRef), under a task name the Ray dashboard
+    shows."""
+    return _pool_for(pool).lease.options(name="sandman:lease:%s" % pool).remote(
+        SandboxSpec.of(spec), client or _client_id(), timeout, handle_name)
+
+
 def _take_idle():
     """An idle handle of this process, or None. Its name goes with the lease request:
     if the lease lands on its node it holds the lease without registering again."""
@@ -120,12 +128,11 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
             client: Optional[str] = None):
     """Lease a sandbox and return its SandboxHandle actor (use it with ``ray.get``).
     Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
-    pool_actor = _pool_for(pool)
+    _pool_for(pool)  # no pool: fails here, before an idle handle is taken
     idle = _take_idle()
     name = idle._sandman_name if idle is not None else _new_handle_name()
     try:
-        lease = ray.get(pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
-                                                timeout, name), timeout=timeout + 30)
+        lease = ray.get(_request_lease(pool, spec, client, timeout, name), timeout=timeout + 30)
     except BaseException as exc:
         _after_failed_lease(idle, exc)
         if isinstance(exc, ray.exceptions.GetTimeoutError):
@@ -139,12 +146,11 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
 async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
                         client: Optional[str] = None):
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
-    pool_actor = _pool_for(pool)
+    _pool_for(pool)
     idle = _take_idle()
     name = idle._sandman_name if idle is not None else _new_handle_name()
     try:
-        lease = await pool_actor.lease.remote(SandboxSpec.of(spec), client or _client_id(),
-                                              timeout, name)
+        lease = await _request_lease(pool, spec, client, timeout, name)
     except BaseException as exc:
         _after_failed_lease(idle, exc)
         raise

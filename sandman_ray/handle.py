@@ -16,6 +16,7 @@ import ray
 
 from sandman_ray.client import AsyncDaemonClient
 from sandman_ray.errors import CallTimeout, ConnectionLost, ExecTimeout, SandboxLost, SandmanError
+from sandman_ray.pool.metrics import handle_call_latency
 
 # The daemon operations a handle forwards (see sandman_ray.client for their arguments).
 FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "session_list",
@@ -83,7 +84,10 @@ class _SandboxHandle:
             self.touched = now
             self._pool().touch.remote(self.lease.lease_id)
         try:
-            return await getattr(self.client, op)(*args, **kwargs)
+            result = await getattr(self.client, op)(*args, **kwargs)
+            handle_call_latency().observe(time.monotonic() - now,
+                                          tags={"pool": self.lease.pool, "op": op})
+            return result
         except ConnectionLost as exc:
             raise SandboxLost("sandbox %s is gone (%s during %s)"
                               % (self.lease.sandbox_id, exc, op)) from exc

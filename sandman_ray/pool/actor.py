@@ -17,17 +17,19 @@ rest is reclaimed, nothing is leased twice.
 """
 
 import asyncio
+import collections
 import json
 import logging
 import os
 import random
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional
 
 import ray
 
 from sandman_ray.errors import AcquireTimeout, ProviderError
+from sandman_ray.pool.metrics import PoolMetrics
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import COMING, Lease, Sandbox, State, counts
 from sandman_ray.pool.waiters import FairQueue, Waiter
@@ -74,7 +76,8 @@ class PoolActor:
         self.leases: Dict[str, str] = {}   # lease id -> sandbox id
         self.waiters = FairQueue()
         self.bucket = AdaptiveTokenBucket(config.create_rate_per_s, config.create_burst)
-        self.events: List[tuple] = []
+        self.events: Deque[tuple] = collections.deque(maxlen=EVENT_LOG)
+        self.metrics: Optional[PoolMetrics] = None  # made in this actor's process
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
                       "throttled": 0, "reclaimed": 0, "leases": 0}
         self.create_starts: List[float] = []  # wall clock of each provider create call
@@ -88,6 +91,7 @@ class PoolActor:
     async def _ensure_started(self) -> None:
         if not self.started:
             self.started = True
+            self.metrics = PoolMetrics(self.name)
             self.wake = asyncio.Event()
             self.recovered = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().create_task(self._run())
@@ -108,6 +112,7 @@ class PoolActor:
         while True:
             try:
                 self._tick()
+                self._report()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.config.sweep_interval_s
                     await self._sweep()
@@ -128,6 +133,14 @@ class PoolActor:
             gather_s = len(self.records) * TICK_PER_RECORD_S
             if gather_s >= 0.001:
                 await asyncio.sleep(min(gather_s, 0.05))
+
+    def _report(self, force: bool = False) -> None:
+        per_client: Dict[str, int] = {}
+        for rec in self.records.values():
+            if rec.state is State.LEASED:
+                per_client[rec.client] = per_client.get(rec.client, 0) + 1
+        self.metrics.refresh(counts(self.records), len(self.waiters), self.bucket.rate,
+                             per_client, force)
 
     def _kick(self) -> None:
         if self.wake is not None:
@@ -215,7 +228,39 @@ class PoolActor:
                 for r in self.records.values()]
 
     async def recent_events(self, limit: int = 100) -> List[tuple]:
-        return self.events[-limit:]
+        """The last ``limit`` transitions: (wall time, sandbox id, state, reason)."""
+        return list(self.events)[-limit:] if limit > 0 else []
+
+    async def gc(self, dry_run: bool = True) -> List[dict]:
+        """Sandboxes that no live handle holds: leases whose handle actor is gone (or
+        never came within the grace) and sandboxes of this pool that the provider has
+        but no record knows. Deleted unless ``dry_run``; returned either way. The
+        watchdog finds the first kind too, every ``sweep_interval_s``: this is for an
+        operator who will not wait, or a pool whose watchdog is slowed down."""
+        await self._ensure_started()
+        names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
+        now = time.monotonic()
+        found = []
+        for rec in list(self.records.values()):
+            if rec.state is not State.LEASED or (rec.handle is not None and rec.handle in names):
+                continue
+            if not rec.handle_seen and now - rec.leased_at <= self.config.lease_grace_s:
+                continue  # its handle may still be starting
+            why = "handle %s is gone" % rec.handle if rec.handle_seen else "no handle"
+            found.append({"sandbox_id": rec.sandbox_id, "state": rec.state.value,
+                          "client": rec.client, "why": why})
+            if not dry_run:
+                await self._delete(rec, "gc: %s" % why)
+        known = set(self.records)
+        for info in await self.provider.list({POOL_LABEL: self.name}):
+            if info.sandbox_id in known:
+                continue
+            found.append({"sandbox_id": info.sandbox_id, "state": "unknown", "client": None,
+                          "why": "no record of this pool knows it"})
+            if not dry_run:
+                self.metrics.deleted("stray")
+                await self._provider_delete(info.sandbox_id)
+        return found
 
     async def shutdown(self) -> int:
         """Delete every sandbox of the pool (leases end); returns how many."""
@@ -273,6 +318,7 @@ class PoolActor:
                 self.leases[lease.lease_id] = rec.sandbox_id
                 self.last_lent[spec] = time.monotonic()
                 self.stats["leases"] += 1
+                self.metrics.lent(time.monotonic() - waiter.enqueued)
                 self._persist(rec)
                 waiter.future.set_result(lease)
 
@@ -371,6 +417,7 @@ class PoolActor:
                     logger.exception("pool %s: create %s failed", self.name, rec.sandbox_id)
                     exc = ProviderError("%s: %s" % (type(exc).__name__, exc), "fatal")
                 kind = exc.kind
+                self.metrics.create_failed(kind)
                 if kind == "throttled":
                     self.stats["throttled"] += 1
                     rec.attempts -= 1  # the cluster said "later", not "no": not a failure
@@ -390,6 +437,7 @@ class PoolActor:
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** rec.attempts) * random.uniform(0.5, 1.5))
         self.bucket.succeeded()
         self.stats["creates"] += 1
+        self.metrics.created(time.monotonic() - started)
         self._to(rec, State.READY, "answers after %.2f s" % (time.monotonic() - started))
         self._kick()
 
@@ -414,6 +462,7 @@ class PoolActor:
         if rec.state is not State.RESETTING:
             return
         self.stats["resets"] += 1
+        self.metrics.resets.inc()
         self._to(rec, State.READY, "reset")
         self._kick()
 
@@ -440,6 +489,7 @@ class PoolActor:
     async def _finish_delete(self, rec: Sandbox, reason: str) -> None:
         await self._provider_delete(rec.sandbox_id)
         self.stats["deletes"] += 1
+        self.metrics.deleted(reason)
         self._to(rec, State.GONE, reason)
         self.records.pop(rec.sandbox_id, None)
         self._kick()
@@ -474,7 +524,6 @@ class PoolActor:
 
     def _event(self, rec: Sandbox, what: str, reason: str = "") -> None:
         self.events.append((time.time(), rec.sandbox_id, what, reason))
-        del self.events[:-EVENT_LOG]
 
     def _summary(self) -> str:
         c = counts(self.records)
@@ -512,6 +561,7 @@ class PoolActor:
                 logger.warning("pool %s: deleting %s, which no record knows",
                                self.name, info.sandbox_id)
                 self.stats["deletes"] += 1
+                self.metrics.deleted("stray")
                 await self._provider_delete(info.sandbox_id)
 
     # ------------------------------------------------------------------ persistence

@@ -163,7 +163,8 @@ class NodeAgentProvider(Provider):
         labels.update({POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
         self._creating[sandbox_id] = False
         try:
-            info = await self.agent(node).create.remote(sandbox_id, spec, labels)
+            info = await self.agent(node).create.options(
+                name="sandman:create:%s" % sandbox_id).remote(sandbox_id, spec, labels)
         except ray.exceptions.RayActorError as exc:
             self._where.pop(sandbox_id, None)
             raise self._agent_gone(node, exc) from exc
@@ -188,7 +189,7 @@ class NodeAgentProvider(Provider):
             if agent is None:
                 continue
             try:
-                await agent.delete.remote(sandbox_id)
+                await agent.delete.options(name="sandman:delete:%s" % sandbox_id).remote(sandbox_id)
             except ray.exceptions.RayActorError:
                 self._agents.pop(node_id, None)  # its sandboxes went with it
             except ProviderError as exc:
@@ -221,7 +222,8 @@ class NodeAgentProvider(Provider):
         if node is None:
             node = (await self.endpoint(sandbox_id)).node_id
         try:
-            return await self.agent(node).reset.remote(sandbox_id)
+            return await self.agent(node).reset.options(
+                name="sandman:reset:%s" % sandbox_id).remote(sandbox_id)
         except ray.exceptions.RayActorError as exc:
             raise self._agent_gone(node, exc) from exc
         except ProviderError as exc:

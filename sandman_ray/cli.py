@@ -1,0 +1,228 @@
+"""``sandman``: look at and operate the pools of a running Ray cluster.
+
+    sandman status [POOL] [--json]     states, rates, oldest lease, leases per client
+    sandman list [POOL] [--json]       sandboxes: state, image, node, age, lease holder
+    sandman events [POOL] [--limit N]  the last state transitions with their reasons
+    sandman gc POOL [--dry-run]        delete sandboxes that no live handle holds
+    sandman shutdown POOL              delete every sandbox of POOL and stop it
+    sandman bench NAME [ARGS...]       run bench/NAME.py of a source checkout
+
+It connects to a running cluster (``--address``, default ``auto``: the one on this
+machine, or ``$RAY_ADDRESS``) and never starts one.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+class CliError(Exception):
+    """A problem to print as one line, with exit status 2."""
+
+
+def _connect(address: str) -> None:
+    import ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    _reachable(address)
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False,
+                 include_dashboard=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise CliError("no Ray cluster at %r (%s); start one with `ray start --head`, or "
+                       "pass --address" % (address, str(exc).splitlines()[0])) from None
+
+
+def _reachable(address: str) -> None:
+    """Fail fast on a ``host:port`` nobody listens on (Ray itself retries for minutes)."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+    except OSError as exc:
+        raise CliError("no Ray cluster at %r: %s" % (address, exc)) from None
+
+
+def _pool_names() -> List[str]:
+    import ray
+    from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+    prefix = pool_actor_name("")
+    return sorted(entry["name"][len(prefix):]
+                  for entry in ray.util.list_named_actors(all_namespaces=True)
+                  if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefix))
+
+
+def _pools(name: Optional[str]) -> List[str]:
+    names = _pool_names()
+    if name is None:
+        return names
+    if name not in names:
+        raise CliError("no pool named %r on this cluster (pools: %s)"
+                       % (name, ", ".join(names) or "none"))
+    return [name]
+
+
+def _call(pool: str, method: str, *args):
+    import ray
+    import sandman_ray
+    return ray.get(getattr(sandman_ray.get_pool(pool), method).remote(*args), timeout=60)
+
+
+def _table(rows: List[List[str]], header: List[str]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+             for row in [header] + rows]
+    return "\n".join(lines)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return "%.1fs" % seconds
+    if seconds < 7200:
+        return "%.0fm" % (seconds / 60)
+    return "%.1fh" % (seconds / 3600)
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_status(args) -> int:
+    statuses = [_call(p, "status") for p in _pools(args.pool)]
+    if args.json:
+        for s in statuses:
+            s.pop("create_starts", None)
+        print(json.dumps(statuses, indent=1, sort_keys=True))
+        return 0
+    if not statuses:
+        print("no pools on this cluster")
+    for s in statuses:
+        states = {k: v for k, v in s["states"].items() if v}
+        print("pool %s (actor pid %s)" % (s["pool"], s["pid"]))
+        print(_table([[str(v) for v in states.values()]], list(states)) if states
+              else "no sandboxes")
+        print("waiters %d   create rate %.1f/s   oldest lease %s" % (
+            s["waiters"], s["create_rate_per_s"], _age(s["oldest_lease_s"])))
+        print("totals  " + ", ".join("%s %d" % kv for kv in sorted(s["stats"].items())))
+        clients = sorted(s["leases_per_client"].items(), key=lambda kv: -kv[1])
+        if clients:
+            print(_table([[c, str(n)] for c, n in clients], ["client", "leases"]))
+        print()
+    return 0
+
+
+def cmd_list(args) -> int:
+    rows: List[Dict] = []
+    for pool in _pools(args.pool):
+        for entry in _call(pool, "list_sandboxes"):
+            entry["pool"] = pool
+            rows.append(entry)
+    if args.json:
+        print(json.dumps(rows, indent=1, sort_keys=True))
+        return 0
+    print(_table([[r["pool"], r["sandbox_id"], r["state"], r["image"],
+                   (r["node_id"] or "-")[:12], _age(r["age_s"]), r["client"] or "-",
+                   r["handle"] or "-"]
+                  for r in sorted(rows, key=lambda r: (r["pool"], r["sandbox_id"]))],
+                 ["pool", "sandbox", "state", "image", "node", "in state", "lease owner",
+                  "handle"]))
+    return 0
+
+
+def cmd_events(args) -> int:
+    events = []
+    for pool in _pools(args.pool):
+        events += [(t, pool, sid, what, why) for t, sid, what, why
+                   in _call(pool, "recent_events", args.limit)]
+    events.sort()
+    events = events[-args.limit:]
+    if args.json:
+        print(json.dumps([{"time": t, "pool": p, "sandbox_id": s, "state": w, "reason": r}
+                          for t, p, s, w, r in events], indent=1))
+        return 0
+    print(_table([[time.strftime("%H:%M:%S", time.localtime(t)) + ".%03d" % (t % 1 * 1000),
+                   p, s, w, r] for t, p, s, w, r in events],
+                 ["time", "pool", "sandbox", "state", "reason"]))
+    return 0
+
+
+def cmd_gc(args) -> int:
+    found = _call(_pools(args.pool)[0], "gc", args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    for entry in found:
+        print("%s %s (%s, client %s): %s" % (verb, entry["sandbox_id"], entry["state"],
+                                            entry["client"] or "-", entry["why"]))
+    print("%d sandbox%s %s" % (len(found), "" if len(found) == 1 else "es", verb))
+    return 0
+
+
+def cmd_shutdown(args) -> int:
+    import sandman_ray
+    _pools(args.pool)
+    print("pool %s shut down, %d sandboxes deleted"
+          % (args.pool, sandman_ray.shutdown_pool(args.pool)))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    script = BENCH_DIR / ("%s.py" % args.name.replace("-", "_"))
+    if not BENCH_DIR.is_dir():
+        raise CliError("the benchmarks ship with the source tree (bench/); this install "
+                       "has none")
+    if not script.is_file():
+        raise CliError("no benchmark %r (have: %s)" % (args.name, ", ".join(
+            sorted(p.stem for p in BENCH_DIR.glob("*.py")))))
+    return subprocess.call([sys.executable, str(script)] + args.args)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="sandman", description=__doc__.split("\n\n")[0])
+    top.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                     help="the Ray cluster (default: auto, or $RAY_ADDRESS)")
+    sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("status", help="a table per pool")
+    p.add_argument("pool", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("list", help="the sandboxes of every pool (or POOL)")
+    p.add_argument("pool", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("events", help="the last transitions with reasons")
+    p.add_argument("pool", nargs="?")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("gc", help="delete sandboxes that no live handle holds")
+    p.add_argument("pool")
+    p.add_argument("--dry-run", action="store_true", help="list them, delete nothing")
+    p = sub.add_parser("shutdown", help="delete every sandbox of POOL and stop it")
+    p.add_argument("pool")
+    p = sub.add_parser("bench", help="run a benchmark of the source tree")
+    p.add_argument("name", help="noop, local, burst, k8s_burst")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return top
+
+
+COMMANDS = {"status": cmd_status, "list": cmd_list, "events": cmd_events, "gc": cmd_gc,
+            "shutdown": cmd_shutdown, "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if getattr(args, "limit", 1) < 1:
+        print("sandman: --limit must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        if args.command != "bench":
+            _connect(args.address)
+        return COMMANDS[args.command](args)
+    except CliError as exc:
+        print("sandman: %s" % exc, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Observability on a real local Ray with its dashboard: the pool's metrics as Ray
+exports them to Prometheus, the dashboard's actor list seen by a headless Chromium,
+and the ``sandman`` command against live pools."""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+
+import sandman_ray as sandman
+from conftest import ROOT, free_port, processes_matching, require_bwrap, wait_until
+
+STATE = "/tmp/sandman-ray-test/observability-state"
+CACHE = str(ROOT / ".cache" / "provider")
+ARTIFACTS = ROOT / "test-artifacts"
+SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} ([0-9.e+-]+)$')
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_bwrap()
+    ports = {"dashboard": free_port(), "metrics": free_port()}
+    # Ray's token authentication would ask the browser for the token on a login form
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_port=ports["dashboard"],
+             _metrics_export_port=ports["metrics"], namespace="sandman-observability-tests")
+    ports["gcs"] = ray.get_runtime_context().gcs_address
+    yield ports
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
+
+
+def new_pool(**config):
+    name = "o-" + uuid.uuid4().hex[:8]
+    config.setdefault("sweep_interval_s", 0.2)
+    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
+                        **config)
+    return name
+
+
+def scrape(port: int) -> dict:
+    """{(metric name, frozenset of label pairs): value} from the metrics endpoint."""
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            samples[(match.group(1), labels)] = float(match.group(3))
+    return samples
+
+
+def series(samples: dict, name: str, pool: str, **labels) -> float:
+    """The sum of ``name``'s samples for ``pool`` with ``labels``."""
+    want = {("pool", pool)} | set(labels.items())
+    return sum(v for (n, l), v in samples.items() if n == name and want <= l)
+
+
+def test_metrics_endpoint_shows_the_pool_during_a_burst(cluster):
+    pool = new_pool(warm={"host": 2})
+
+    async def burst():
+        return await asyncio.gather(*(sandman.acquire_async("host", pool=pool, timeout=120)
+                                      for _ in range(6)))
+    handles = asyncio.run(burst())
+    try:
+        for h in handles:
+            assert ray.get(h.exec.remote("true")).exit_code == 0
+        found = {}
+
+        def exported():
+            samples = scrape(cluster["metrics"])
+            found.update(
+                leased=series(samples, "ray_sandman_sandboxes", pool, state="leased"),
+                waits=series(samples, "ray_sandman_acquire_wait_seconds_count", pool),
+                creates=series(samples, "ray_sandman_creates_total", pool),
+                ready=series(samples, "ray_sandman_time_to_ready_seconds_count", pool),
+                rate=series(samples, "ray_sandman_create_rate_per_s", pool),
+                execs=series(samples, "ray_sandman_handle_call_seconds_count", pool, op="exec"),
+                clients=series(samples, "ray_sandman_leases", pool))
+            return (found["leased"] == 6 and found["waits"] >= 6 and found["execs"] >= 6
+                    and found["clients"] == 6)
+        wait_until(exported, timeout=60, what="the pool's series exported")
+        assert found["creates"] >= 6 and found["ready"] == found["creates"]
+        assert 0 < found["rate"] <= 50.0  # the bucket's rate, never above the configured one
+    finally:
+        for h in handles:
+            sandman.release(h)
+        sandman.shutdown_pool(pool)
+
+
+@pytest.mark.slow
+def test_dashboard_lists_the_pool_and_handles_by_name(cluster):
+    """Headless Chromium renders the dashboard's actors page; the pool actor and the
+    handles appear by name. The screenshot is kept in test-artifacts/."""
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is installed by make (DEBIAN_PACKAGES)"
+    pool = new_pool(warm={"host": 2})
+    handles = [sandman.acquire("host", pool=pool, timeout=120) for _ in range(2)]
+    try:
+        names = {r["handle"] for r in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+                 if r["state"] == "leased"}
+        assert len(names) == 2 and all(n.startswith("sandman:sbx:") for n in names)
+        url = "http://127.0.0.1:%d/#/actors" % cluster["dashboard"]
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard-actors.png"
+        base = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu",
+                "--disable-dev-shm-usage", "--window-size=1600,1200",
+                "--virtual-time-budget=20000", "--user-data-dir=/tmp/sandman-ray-test/chromium"]
+        dom = ""
+
+        def rendered():
+            nonlocal dom
+            dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True,
+                                 timeout=120).stdout
+            return "sandman:pool:%s" % pool in dom
+        wait_until(rendered, timeout=180, what="the dashboard's actor list")
+        subprocess.run(base + ["--screenshot=%s" % shot, url], capture_output=True, timeout=120)
+        assert shot.is_file() and shot.stat().st_size > 10000
+        for name in names:  # the handles holding the pool's sandboxes
+            assert name in dom
+        assert "sandman:agent:%s:" % pool in dom  # and the pool's node agent
+    finally:
+        for h in handles:
+            sandman.release(h)
+        sandman.shutdown_pool(pool)
+
+
+# ---------------------------------------------------------------------- the sandman command
+def sandman_cmd(cluster, *args, timeout=120) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("sandman")
+    return subprocess.run([str(exe), "--address", cluster["gcs"]] + list(args),
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_status_list_events_and_gc_against_a_live_pool(cluster):
+    # a watchdog that sweeps once an hour: what gc finds stays until gc deletes it
+    pool = new_pool(sweep_interval_s=3600, lease_grace_s=1.0)
+    kept = sandman.acquire("host", pool=pool, timeout=120)
+    lost = sandman.acquire("host", pool=pool, timeout=120)
+    kept_id, lost_id = ray.get(kept.sandbox_id.remote()), ray.get(lost.sandbox_id.remote())
+    try:
+        status = sandman_cmd(cluster, "status", pool, "--json")
+        assert status.returncode == 0, status.stderr
+        (state,) = json.loads(status.stdout)
+        assert state["pool"] == pool and state["states"]["leased"] == 2
+        assert sum(state["leases_per_client"].values()) == 2
+        text = sandman_cmd(cluster, "status").stdout
+        assert "pool %s" % pool in text and "leased" in text and "oldest lease" in text
+
+        listed = json.loads(sandman_cmd(cluster, "list", pool, "--json").stdout)
+        assert {(r["sandbox_id"], r["state"]) for r in listed} == {
+            (kept_id, "leased"), (lost_id, "leased")}
+        assert all(r["image"] == "host" and r["client"] and r["node_id"] for r in listed)
+        assert kept_id in sandman_cmd(cluster, "list").stdout
+
+        events = json.loads(sandman_cmd(cluster, "events", pool, "--json").stdout)
+        mine = [e["state"] for e in events if e["sandbox_id"] == kept_id]
+        assert mine[-3:] == ["starting", "ready", "leased"]
+        assert any(e["reason"].startswith("lent to") for e in events)
+
+        ray.kill(lost)  # a holder that died: no live handle holds its sandbox now
+        wait_until(lambda: lost_id in sandman_cmd(cluster, "gc", pool, "--dry-run").stdout,
+                   timeout=30, what="gc to see the lost sandbox")
+        dry = sandman_cmd(cluster, "gc", pool, "--dry-run").stdout
+        assert "would delete %s" % lost_id in dry and kept_id not in dry
+        assert json.loads(sandman_cmd(cluster, "status", pool, "--json").stdout)[0][
+            "states"]["leased"] == 2  # a dry run deletes nothing
+        real = sandman_cmd(cluster, "gc", pool)
+        assert "deleted %s" % lost_id in real.stdout and "1 sandbox deleted" in real.stdout
+        after = json.loads(sandman_cmd(cluster, "status", pool, "--json").stdout)[0]
+        assert after["states"]["leased"] == 1
+        assert ray.get(kept.exec.remote("true")).exit_code == 0  # the live one is untouched
+    finally:
+        sandman.release(kept)
+    down = sandman_cmd(cluster, "shutdown", pool)
+    assert down.returncode == 0 and "shut down" in down.stdout
+    assert pool not in sandman_cmd(cluster, "status").stdout
+
+
+def test_sandman_refuses_clearly_and_starts_no_cluster(cluster):
+    raylets = len(processes_matching("raylet"))
+    proc = subprocess.run([str(Path(sys.executable).with_name("sandman")), "--address",
+                           "127.0.0.1:%d" % free_port(), "status"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no Ray cluster at" in proc.stderr
+    assert len(processes_matching("raylet")) == raylets
+    missing = sandman_cmd(cluster, "status", "no-such-pool")
+    assert missing.returncode == 2 and "no pool named 'no-such-pool'" in missing.stderr
+    bad = sandman_cmd(cluster, "bench", "nonexistent")
+    assert bad.returncode == 2 and "no benchmark 'nonexistent'" in bad.stderr

@@ -4,7 +4,6 @@ and the ``sandman`` command against live pools."""
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,18 +28,11 @@ SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} ([0-9.e+-]+)$')
 def cluster():
     require_bwrap()
     ports = {"dashboard": free_port(), "metrics": free_port()}
-    # Ray's token authentication would ask the browser for the token on a login form
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=2, include_dashboard=True, dashboard_port=ports["dashboard"],
              _metrics_export_port=ports["metrics"], namespace="sandman-observability-tests")
     ports["gcs"] = ray.get_runtime_context().gcs_address
     yield ports
     ray.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = saved
 
 
 def new_pool(**config):
@@ -103,10 +95,21 @@ def test_metrics_endpoint_shows_the_pool_during_a_burst(cluster):
         sandman.shutdown_pool(pool)
 
 
+def auth_token() -> str:
+    """The cluster's token, as a user gets it (``ray get-auth-token``); empty when
+    token authentication is off."""
+    proc = subprocess.run([str(Path(sys.executable).with_name("ray")), "get-auth-token"],
+                          capture_output=True, text=True, timeout=60)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
 @pytest.mark.slow
 def test_dashboard_lists_the_pool_and_handles_by_name(cluster):
-    """Headless Chromium renders the dashboard's actors page; the pool actor and the
-    handles appear by name. The screenshot is kept in test-artifacts/."""
+    """Chromium (Debian's, driven by Playwright) opens the dashboard's actors page with
+    the cluster's token, as a user who signed in; the pool actor, its node agent and
+    the handles holding its sandboxes appear by name. The screenshot is kept in
+    test-artifacts/."""
+    from playwright.sync_api import sync_playwright
     chromium = shutil.which("chromium")
     assert chromium, "chromium is installed by make (DEBIAN_PACKAGES)"
     pool = new_pool(warm={"host": 2})
@@ -115,25 +118,29 @@ def test_dashboard_lists_the_pool_and_handles_by_name(cluster):
         names = {r["handle"] for r in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
                  if r["state"] == "leased"}
         assert len(names) == 2 and all(n.startswith("sandman:sbx:") for n in names)
-        url = "http://127.0.0.1:%d/#/actors" % cluster["dashboard"]
+        origin = "http://127.0.0.1:%d" % cluster["dashboard"]
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "dashboard-actors.png"
-        base = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu",
-                "--disable-dev-shm-usage", "--window-size=1600,1200",
-                "--virtual-time-budget=20000", "--user-data-dir=/tmp/sandman-ray-test/chromium"]
-        dom = ""
-
-        def rendered():
-            nonlocal dom
-            dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True,
-                                 timeout=120).stdout
-            return "sandman:pool:%s" % pool in dom
-        wait_until(rendered, timeout=180, what="the dashboard's actor list")
-        subprocess.run(base + ["--screenshot=%s" % shot, url], capture_output=True, timeout=120)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium,
+                                         args=["--no-sandbox", "--disable-dev-shm-usage"])
+            try:
+                context = browser.new_context(viewport={"width": 1600, "height": 1200})
+                token = auth_token()
+                if token:
+                    context.add_cookies([{"name": "ray-authentication-token", "value": token,
+                                          "url": origin}])
+                page = context.new_page()
+                page.goto(origin + "/#/actors")
+                page.get_by_text("sandman:pool:%s" % pool, exact=True).wait_for(timeout=60000)
+                text = page.inner_text("body")
+                page.screenshot(path=str(shot), full_page=True)
+            finally:
+                browser.close()
         assert shot.is_file() and shot.stat().st_size > 10000
         for name in names:  # the handles holding the pool's sandboxes
-            assert name in dom
-        assert "sandman:agent:%s:" % pool in dom  # and the pool's node agent
+            assert name in text
+        assert "sandman:agent:%s:" % pool in text  # and the pool's node agent
     finally:
         for h in handles:
             sandman.release(h)

@@ -26,10 +26,12 @@ def run_example(script: str, *args: str, timeout: float = 600) -> subprocess.Com
 
 def test_each_task_fails_and_only_its_familys_edit_fixes_it():
     from coderepair import EDITS, FAMILIES, FIX, TEST_COMMAND, edit_mask, features, make_task
-    families = set()
-    for seed in range(60):
+    seen = {family: 0 for family in FAMILIES}
+    for seed in range(200):
         task = make_task(seed)
-        families.add(task.family)
+        if seen[task.family] == 2:  # two of each family (each check starts Python ~5 times)
+            continue
+        seen[task.family] += 1
         assert make_task(seed) == task  # a seed names a task
         with tempfile.TemporaryDirectory() as repo:
             for path, text in task.files.items():
@@ -49,7 +51,7 @@ def test_each_task_fails_and_only_its_familys_edit_fixes_it():
                     Path(repo, task.module_path).write_text(edit.apply(source))
                     assert (tests_pass().returncode == 0) == (index == FIX[task.family]), \
                         (task.task_id, edit.name)
-    assert families == set(FAMILIES)
+    assert set(seen.values()) == {2}
 
 
 def test_training_loop_learns_from_sandbox_rewards_and_leaves_nothing(tmp_path):

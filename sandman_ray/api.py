@@ -1,8 +1,10 @@
 """The public API: pools, acquire and release, a context manager."""
 
+import asyncio
 import contextlib
 import os
 import threading
+import time
 import uuid
 from typing import Dict, List, Optional, Union
 
@@ -16,6 +18,7 @@ from sandman_ray.spec import PoolConfig, SandboxSpec
 
 SpecLike = Union[SandboxSpec, str]
 MAX_IDLE_HANDLES = 64  # released handles this process keeps for the next acquires
+POOL_RESTART_RETRIES = 20  # times a lease request is asked again of a restarting PoolActor
 
 _idle: Dict[str, List] = {}   # node id -> idle handles
 _idle_lock = threading.Lock()
@@ -131,13 +134,19 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
     _pool_for(pool)  # no pool: fails here, before an idle handle is taken
     idle = _take_idle()
     name = idle._sandman_name if idle is not None else _new_handle_name()
-    try:
-        lease = ray.get(_request_lease(pool, spec, client, timeout, name), timeout=timeout + 30)
-    except BaseException as exc:
-        _after_failed_lease(idle, exc)
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
-            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, timeout + 30))
-        raise
+    deadline = time.monotonic() + timeout
+    for attempt in range(POOL_RESTART_RETRIES + 1):
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            lease = ray.get(_request_lease(pool, spec, client, left, name), timeout=left + 30)
+            break
+        except BaseException as exc:
+            _after_failed_lease(idle, exc)
+            idle = None
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
+            time.sleep(_retry_after(exc, attempt, deadline))
+            name = _new_handle_name()
     handle, must_register = _holder(lease, pool, idle, name)
     ray.get(handle.bind.remote(lease, must_register))
     return handle
@@ -149,11 +158,17 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
     _pool_for(pool)
     idle = _take_idle()
     name = idle._sandman_name if idle is not None else _new_handle_name()
-    try:
-        lease = await _request_lease(pool, spec, client, timeout, name)
-    except BaseException as exc:
-        _after_failed_lease(idle, exc)
-        raise
+    deadline = time.monotonic() + timeout
+    for attempt in range(POOL_RESTART_RETRIES + 1):
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            lease = await _request_lease(pool, spec, client, left, name)
+            break
+        except BaseException as exc:
+            _after_failed_lease(idle, exc)
+            idle = None
+            await asyncio.sleep(_retry_after(exc, attempt, deadline))
+            name = _new_handle_name()
     handle, must_register = _holder(lease, pool, idle, name)
     await handle.bind.remote(lease, must_register)
     return handle
@@ -169,6 +184,17 @@ def release(handle) -> None:
 async def release_async(handle) -> None:
     await handle.release.remote()
     _keep_idle(handle)
+
+
+def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:
+    """After a failed lease request: how long to wait before asking again, or re-raise.
+    Only a PoolActor that Ray is restarting is asked again, until the acquire's
+    deadline; the caller asks under a fresh handle name, so a sandbox the dead
+    incarnation lent to the old name is reclaimed when no handle of that name appears."""
+    if not isinstance(exc, ray.exceptions.ActorUnavailableError) \
+            or attempt >= POOL_RESTART_RETRIES or time.monotonic() >= deadline:
+        raise exc
+    return min(0.05 * 2 ** attempt, 1.0, max(deadline - time.monotonic(), 0.0))
 
 
 def _after_failed_lease(idle, exc: BaseException) -> None:

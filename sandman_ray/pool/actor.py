@@ -112,7 +112,9 @@ class PoolActor:
         while True:
             try:
                 self._tick()
-                self._report()
+                if self.metrics.due():
+                    self.metrics.refresh(counts(self.records), len(self.waiters),
+                                         self.bucket.rate, self._leases_per_client())
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.config.sweep_interval_s
                     await self._sweep()
@@ -134,13 +136,12 @@ class PoolActor:
             if gather_s >= 0.001:
                 await asyncio.sleep(min(gather_s, 0.05))
 
-    def _report(self, force: bool = False) -> None:
+    def _leases_per_client(self) -> Dict[str, int]:
         per_client: Dict[str, int] = {}
         for rec in self.records.values():
             if rec.state is State.LEASED:
                 per_client[rec.client] = per_client.get(rec.client, 0) + 1
-        self.metrics.refresh(counts(self.records), len(self.waiters), self.bucket.rate,
-                             per_client, force)
+        return per_client
 
     def _kick(self) -> None:
         if self.wake is not None:
@@ -209,14 +210,11 @@ class PoolActor:
         await self._ensure_started()
         now = time.monotonic()
         leased = [r for r in self.records.values() if r.state is State.LEASED]
-        per_client: Dict[str, int] = {}
-        for rec in leased:
-            per_client[rec.client] = per_client.get(rec.client, 0) + 1
         return {"pool": self.name, "pid": os.getpid(), "states": counts(self.records),
                 "waiters": len(self.waiters),
                 "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
                 "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
-                "leases_per_client": per_client,
+                "leases_per_client": self._leases_per_client(),
                 "create_starts": list(self.create_starts[-1000:])}
 
     async def list_sandboxes(self) -> List[dict]:
@@ -241,25 +239,18 @@ class PoolActor:
         names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
         now = time.monotonic()
         found = []
-        for rec in list(self.records.values()):
-            if rec.state is not State.LEASED or (rec.handle is not None and rec.handle in names):
-                continue
-            if not rec.handle_seen and now - rec.leased_at <= self.config.lease_grace_s:
-                continue  # its handle may still be starting
-            why = "handle %s is gone" % rec.handle if rec.handle_seen else "no handle"
-            found.append({"sandbox_id": rec.sandbox_id, "state": rec.state.value,
-                          "client": rec.client, "why": why})
-            if not dry_run:
-                await self._delete(rec, "gc: %s" % why)
-        known = set(self.records)
-        for info in await self.provider.list({POOL_LABEL: self.name}):
-            if info.sandbox_id in known:
-                continue
+        for rec in [r for r in self.records.values() if r.state is State.LEASED]:
+            why = self._orphaned(rec, names, now)
+            if why:
+                found.append({"sandbox_id": rec.sandbox_id, "state": rec.state.value,
+                              "client": rec.client, "why": why})
+                if not dry_run:
+                    await self._delete(rec, "gc: %s" % why)
+        for info in await self._strays():
             found.append({"sandbox_id": info.sandbox_id, "state": "unknown", "client": None,
                           "why": "no record of this pool knows it"})
             if not dry_run:
-                self.metrics.deleted("stray")
-                await self._provider_delete(info.sandbox_id)
+                await self._delete_stray(info)
         return found
 
     async def shutdown(self) -> int:
@@ -462,7 +453,7 @@ class PoolActor:
         if rec.state is not State.RESETTING:
             return
         self.stats["resets"] += 1
-        self.metrics.resets.inc()
+        self.metrics.reset_done()
         self._to(rec, State.READY, "reset")
         self._kick()
 
@@ -539,30 +530,45 @@ class PoolActor:
         for rec in leased:
             if rec.state is not State.LEASED:
                 continue
-            why = None
-            alive = rec.handle is not None and rec.handle in names
-            rec.handle_seen = rec.handle_seen or alive
-            if not alive and rec.handle_seen:
-                why = "handle %s is gone" % rec.handle
-            elif not alive and now - rec.leased_at > self.config.lease_grace_s:
-                why = "no handle within %.0f s" % self.config.lease_grace_s
-            elif self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
-                why = "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s
-            elif self.config.idle_timeout_s and now - rec.last_used > self.config.idle_timeout_s:
-                why = "idle for %.0f s" % self.config.idle_timeout_s
+            why = self._orphaned(rec, names, now) or self._expired(rec, now)
             if why:
                 self.stats["reclaimed"] += 1
                 self._end_lease(rec, "reclaimed: " + why)
 
+    def _orphaned(self, rec: Sandbox, names: set, now: float) -> Optional[str]:
+        """Why no live handle holds the leased ``rec`` (None: one does, or its handle
+        may still be starting). ``names``: the live handle actors' names."""
+        alive = rec.handle is not None and rec.handle in names
+        rec.handle_seen = rec.handle_seen or alive
+        if not alive and rec.handle_seen:
+            return "handle %s is gone" % rec.handle
+        if not alive and now - rec.leased_at > self.config.lease_grace_s:
+            return "no handle within %.0f s" % self.config.lease_grace_s
+        return None
+
+    def _expired(self, rec: Sandbox, now: float) -> Optional[str]:
+        """Why the lease of ``rec`` is over by its TTL or idle timeout (None: it is not)."""
+        if self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
+            return "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s
+        if self.config.idle_timeout_s and now - rec.last_used > self.config.idle_timeout_s:
+            return "idle for %.0f s" % self.config.idle_timeout_s
+        return None
+
+    async def _strays(self) -> list:
+        """Sandboxes of this pool that the provider has and no record knows."""
+        return [info for info in await self.provider.list({POOL_LABEL: self.name})
+                if info.sandbox_id not in self.records]
+
+    async def _delete_stray(self, info) -> None:
+        logger.warning("pool %s: deleting %s, which no record knows", self.name,
+                       info.sandbox_id)
+        self.stats["deletes"] += 1
+        self.metrics.deleted("stray")
+        await self._provider_delete(info.sandbox_id)
+
     async def _delete_strays(self) -> None:
-        infos = await self.provider.list({POOL_LABEL: self.name})
-        for info in infos:
-            if info.sandbox_id not in self.records:
-                logger.warning("pool %s: deleting %s, which no record knows",
-                               self.name, info.sandbox_id)
-                self.stats["deletes"] += 1
-                self.metrics.deleted("stray")
-                await self._provider_delete(info.sandbox_id)
+        for info in await self._strays():
+            await self._delete_stray(info)
 
     # ------------------------------------------------------------------ persistence
     def _kv_key(self, sandbox_id: str) -> str:

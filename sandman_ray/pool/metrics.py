@@ -74,13 +74,15 @@ class PoolMetrics:
         self.reported_clients: set = set()
         self.refreshed = 0.0
 
+    def due(self) -> bool:
+        """Whether the gauges are ``REFRESH_S`` old (the pool counts its records only
+        then, not on every tick)."""
+        return time.monotonic() - self.refreshed >= REFRESH_S
+
     def refresh(self, states: Dict[str, int], waiters: int, rate: float,
-                per_client: Dict[str, int], force: bool = False) -> None:
-        """Set the gauges (at most every ``REFRESH_S`` unless ``force``)."""
-        now = time.monotonic()
-        if not force and now - self.refreshed < REFRESH_S:
-            return
-        self.refreshed = now
+                per_client: Dict[str, int]) -> None:
+        """Set the gauges."""
+        self.refreshed = time.monotonic()
         for state, count in states.items():
             self.sandboxes.set(count, tags={"state": state})
         self.waiters.set(waiters)
@@ -103,6 +105,9 @@ class PoolMetrics:
         self.create_failures.inc(tags={"kind": kind})
         if kind == "throttled":
             self.throttled.inc()
+
+    def reset_done(self) -> None:
+        self.resets.inc()
 
     def deleted(self, reason: str) -> None:
         self.deletes.inc(tags={"reason": reason_class(reason)})

@@ -37,8 +37,9 @@ def start(args):
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
 
 
-def sandbox_processes(state_dir: str):
-    """Pids of live processes whose command line names ``state_dir``."""
+def sandbox_processes(state_dir: str, unless: bytes = b""):
+    """Pids of live processes whose command line names ``state_dir`` (and, when given,
+    does not contain ``unless``)."""
     found = []
     needle = state_dir.encode()
     for name in os.listdir("/proc"):
@@ -46,8 +47,9 @@ def sandbox_processes(state_dir: str):
             continue
         try:
             with open("/proc/%s/cmdline" % name, "rb") as fh:
-                if needle in fh.read():
-                    found.append(int(name))
+                cmdline = fh.read()
+            if needle in cmdline and not (unless and unless in cmdline):
+                found.append(int(name))
         except OSError:
             continue
     return found

@@ -175,14 +175,7 @@ def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list
     on their own) and sandbox state directories. Empty lists once a pool is shut down."""
     from sandman_ray.providers.janitor import sandbox_processes
     pool_dir = Path(state_root) / pool
-    processes = []
-    for pid in sandbox_processes(str(pool_dir) + "/"):
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                if b"sandman_ray.providers.janitor" not in fh.read():
-                    processes.append(pid)
-        except OSError:
-            continue
+    processes = sandbox_processes(str(pool_dir) + "/", unless=b"sandman_ray.providers.janitor")
     # state_root/pool/<node>/<agent incarnation>/<sandbox id>
     directories = [str(d) for d in pool_dir.glob("*/*/*")
                    if d.is_dir() and not d.parent.name.endswith(".trash")]

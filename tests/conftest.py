@@ -84,6 +84,18 @@ def processes_matching(marker):
     return found
 
 
+def unique_pool(provider, prefix: str, **config) -> str:
+    """Create a pool with a fresh name on ``provider``, its watchdog quick (tests wait
+    for what it reclaims); ``config`` takes PoolConfig fields."""
+    import uuid
+    import sandman_ray as sandman
+    name = "%s-%s" % (prefix, uuid.uuid4().hex[:8])
+    config.setdefault("sweep_interval_s", 0.2)
+    config.setdefault("lease_grace_s", 3.0)
+    sandman.create_pool(name, provider=provider, **config)
+    return name
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for a server a test starts)."""
     import socket

@@ -25,7 +25,8 @@ from sandman_ray.providers.docker import (
     DockerProvider, engine_client, engine_error, list_containers, pull_error)
 from sandman_ray.providers.podman_service import PodmanError, PodmanService
 from sandman_ray.spec import SandboxSpec
-from conftest import ROOT, exercise_handle, free_port, holding_driver, wait_until
+from conftest import (
+    ROOT, exercise_handle, free_port, holding_driver, unique_pool, wait_until)
 
 WORK = Path("/tmp/sandman-ray-test/docker")
 STATE = str(WORK / "state")
@@ -116,11 +117,7 @@ def make_provider(engine, **kw):
 
 
 def make_pool(engine, **config):
-    name = "d-" + uuid.uuid4().hex[:8]
-    config.setdefault("sweep_interval_s", 0.2)
-    config.setdefault("lease_grace_s", 3.0)
-    sandman.create_pool(name, provider=make_provider(engine), **config)
-    return name
+    return unique_pool(make_provider(engine), "d", **config)
 
 
 def containers(engine, pool):

@@ -4,13 +4,12 @@
 
 import asyncio
 import sys
-import uuid
 
 import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, require_bwrap, wait_until
+from conftest import ROOT, require_bwrap, unique_pool, wait_until
 
 EXAMPLE = ROOT / "examples" / "rl_rollout"
 sys.path.insert(0, str(EXAMPLE))
@@ -33,11 +32,8 @@ def cluster():
 
 
 def new_pool(**config):
-    name = "i-" + uuid.uuid4().hex[:8]
     config.setdefault("warm", {"host": 2})
-    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
-                        sweep_interval_s=0.2, lease_grace_s=3.0, **config)
-    return name
+    return unique_pool(sandman.LocalProvider(state_root=STATE, cache_root=CACHE), "i", **config)
 
 
 @pytest.fixture

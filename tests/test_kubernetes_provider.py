@@ -18,7 +18,7 @@ import sandman_ray as sandman
 from sandman_ray import DaemonClient, ProviderError
 from sandman_ray.providers.kubernetes import KubernetesProvider, label_value, merge, pod_name
 from sandman_ray.spec import SandboxSpec
-from conftest import free_port, holding_driver, wait_until
+from conftest import free_port, holding_driver, unique_pool, wait_until
 from k8s_sim import SimConfig, start_process
 
 IMAGE = "docker.io/library/debian:12"
@@ -73,12 +73,8 @@ def provider(sim, **kw):
 
 
 def make_pool(sim, provider_kw=None, **config):
-    name = "k-" + uuid.uuid4().hex[:8]
-    config.setdefault("sweep_interval_s", 0.2)
-    config.setdefault("lease_grace_s", 3.0)
     config.setdefault("reuse", "delete")
-    sandman.create_pool(name, provider=provider(sim, **(provider_kw or {})), **config)
-    return name
+    return unique_pool(provider(sim, **(provider_kw or {})), "k", **config)
 
 
 def run(coro):

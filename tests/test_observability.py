@@ -9,14 +9,14 @@ import shutil
 import subprocess
 import sys
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, free_port, processes_matching, require_bwrap, wait_until
+from conftest import (
+    ROOT, free_port, processes_matching, require_bwrap, unique_pool, wait_until)
 
 STATE = "/tmp/sandman-ray-test/observability-state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -36,11 +36,7 @@ def cluster():
 
 
 def new_pool(**config):
-    name = "o-" + uuid.uuid4().hex[:8]
-    config.setdefault("sweep_interval_s", 0.2)
-    sandman.create_pool(name, provider=sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
-                        **config)
-    return name
+    return unique_pool(sandman.LocalProvider(state_root=STATE, cache_root=CACHE), "o", **config)
 
 
 def scrape(port: int) -> dict:

@@ -8,14 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 import ray
 
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
-from conftest import ROOT, exercise_handle, holding_driver, require_bwrap, wait_until
+from conftest import (
+    ROOT, exercise_handle, holding_driver, require_bwrap, unique_pool, wait_until)
 
 STATE = "/tmp/sandman-ray-test/pool-state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -35,12 +35,8 @@ def image(busybox_rootfs):
 
 
 def make_pool(provider=None, **config):
-    name = "p-" + uuid.uuid4().hex[:8]
-    config.setdefault("sweep_interval_s", 0.2)
-    config.setdefault("lease_grace_s", 3.0)
-    provider = provider or sandman.LocalProvider(state_root=STATE, cache_root=CACHE)
-    sandman.create_pool(name, provider=provider, **config)
-    return name
+    return unique_pool(provider or sandman.LocalProvider(state_root=STATE, cache_root=CACHE),
+                       "p", **config)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
     python bench/chaos.py [--trials 10] [--scenarios driver_sigkill,agent_killed,...]
 
-Each trial makes a fresh pool on a local Ray (LocalProvider, image ``host``), does one
+Each trial makes a fresh pool on a local Ray cluster (LocalProvider, image ``host``; a
+head node, to which ``node_removed`` adds a worker node and removes it), does one
 bad thing, waits for the pool to recover, then shuts the pool down and counts the
 sandboxes left on the host (processes and state directories) and the leases or strays
 the pool still had. It prints a line per trial and a table per scenario: trials,
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import ray
+from ray.cluster_utils import Cluster
 
 import sandman_ray as sandman
 from sandman_ray.errors import SandboxLost
@@ -37,6 +39,7 @@ STATE = "/tmp/sandman-ray-chaos/state"
 CACHE = str(ROOT / ".cache" / "provider")
 IMAGE = "host"
 RECLAIM_TIMEOUT_S = 30.0
+CLUSTER: Optional[Cluster] = None
 HOLDING_DRIVER = """
 import sys, ray, sandman_ray as sandman
 ray.init(address=sys.argv[1], namespace="sandman-chaos", log_to_driver=False)
@@ -325,6 +328,52 @@ def term_ignoring_tree(trial: Trial) -> Trial:
     return finish(pool, trial)
 
 
+def node_removed(trial: Trial) -> Trial:
+    """A Ray worker node with leased and warm sandboxes on it is removed: the holders
+    of its sandboxes get SandboxLost, and the pool brings its warm capacity back on the
+    node that is left."""
+    node = CLUSTER.add_node(num_cpus=1)
+    CLUSTER.wait_for_nodes()
+    pool = new_pool(warm={IMAGE: 2})
+    handles = [sandman.acquire(IMAGE, pool=pool, timeout=120) for _ in range(4)]
+    placed = ray.get([h.node_id.remote() for h in handles])
+    doomed = [h for h, n in zip(handles, placed) if n == node.node_id]
+    kept = [h for h, n in zip(handles, placed) if n != node.node_id]
+    if not doomed:
+        trial.detail = "no sandbox was placed on the added node"
+        for handle in handles:
+            sandman.release(handle)
+        CLUSTER.remove_node(node)
+        return finish(pool, trial)
+    CLUSTER.remove_node(node, allow_graceful=False)
+    started = time.monotonic()
+
+    async def lost(handle) -> Optional[float]:
+        while time.monotonic() - started < RECLAIM_TIMEOUT_S:
+            try:
+                await handle.exec.remote("true")  # the old process may answer at first
+            except SandboxLost:
+                return time.monotonic() - started
+            await asyncio.sleep(0.1)
+        return None
+
+    async def run():
+        return await asyncio.gather(*(lost(h) for h in doomed))
+    seen = asyncio.run(run())
+    trial.surfaced = sum(t is not None for t in seen)
+    for handle in doomed + kept:
+        sandman.release(handle)
+    if until(lambda: status(pool)["states"]["ready"] >= 2 and leased(pool) == 0):
+        trial.reclaim_s = time.monotonic() - started  # from the removal
+    working = sandman.acquire(IMAGE, pool=pool, timeout=60)
+    works = ray.get(working.exec.remote("true")).exit_code == 0
+    sandman.release(working)
+    trial.ok = trial.surfaced == len(doomed) and works and trial.reclaim_s is not None
+    trial.detail = "%d of %d on the node: SandboxLost after %s s; warm set back" % (
+        trial.surfaced, len(doomed), "/".join("-" if t is None else "%.1f" % t for t in seen))
+    return finish(pool, trial)
+
+
 def provider_faults(trial: Trial) -> Trial:
     """The provider throttles the first 10 creates and fails 30 % of the rest: 8
     concurrent acquires must all be served, slower."""
@@ -353,7 +402,7 @@ SCENARIOS: Dict[str, Callable[[Trial], Trial]] = {
     "handle_dropped": handle_dropped, "acquire_cancelled": acquire_cancelled,
     "pool_killed": pool_killed_mid_burst, "agent_killed": agent_killed,
     "daemon_killed": daemon_killed, "term_ignoring_tree": term_ignoring_tree,
-    "provider_faults": provider_faults,
+    "provider_faults": provider_faults, "node_removed": node_removed,
 }
 
 
@@ -376,8 +425,10 @@ def main(argv=None) -> int:
     if unknown or args.trials < 1:
         parser.error("unknown scenarios %s (known: %s)" % (unknown, ", ".join(SCENARIOS))
                      if unknown else "--trials must be at least 1")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace="sandman-chaos")
+    global CLUSTER  # a head node here; node_removed adds worker nodes and removes them
+    CLUSTER = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    ray.init(address=CLUSTER.address, log_to_driver=False, namespace="sandman-chaos")
     trials: List[Trial] = []
     try:
         for name in names:
@@ -396,6 +447,7 @@ def main(argv=None) -> int:
                     "  (" + "; ".join(trial.notes) + ")" if trial.notes else ""), flush=True)
     finally:
         ray.shutdown()
+        CLUSTER.shutdown()
     rows = []
     print("\n%-20s %6s %6s %7s %12s %12s %9s" % ("scenario", "trials", "passed", "leaked",
                                                   "reclaim max", "reclaim p99", "surfaced"))

@@ -9,7 +9,6 @@ import uuid
 from typing import Dict, List, Optional, Union
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandman_ray.errors import AcquireTimeout, SandmanError
 from sandman_ray.handle import SandboxHandle
@@ -42,11 +41,30 @@ def create_pool(name: str = "default", provider=None, *, warm=None, **config):
     """Create the pool ``name`` (or return it if it exists): a detached actor that
     outlives this driver. ``config`` takes the fields of ``PoolConfig``."""
     cfg = PoolConfig(provider=provider, warm=dict(warm or {}), **config)
+    head = _head_node()
+    # worker nodes come and go (autoscaling, failures); the head stays
+    options = _on_node(head) if head else {}
     pool = PoolActor.options(name=pool_actor_name(name), namespace=NAMESPACE,
                              lifetime="detached", get_if_exists=True,
-                             max_concurrency=100000).remote(name, cfg)
+                             max_concurrency=100000, **options).remote(name, cfg)
     ray.get(pool.start.remote())
     return pool
+
+
+def _on_node(node_id: str) -> dict:
+    """Actor options that place an actor on the Ray node ``node_id`` (by the node's
+    built-in ``ray.io/node-id`` label) and let Ray restart it on another node once
+    that one is gone. (NodeAffinitySchedulingStrategy's soft mode spreads actors over
+    the nodes even while the node asked for is alive and has room.)"""
+    return {"label_selector": {"ray.io/node-id": node_id},
+            "fallback_strategy": [{"label_selector": {}}]}
+
+
+def _head_node() -> Optional[str]:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return None
 
 
 def get_pool(name: str = "default"):
@@ -116,8 +134,8 @@ def _holder(lease, pool: str, idle, claimed: str):
         _keep_idle(idle)
     name = _new_handle_name() if must_register else claimed
     options = {"name": name, "namespace": NAMESPACE}
-    if lease.node_id:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(lease.node_id, soft=False)
+    if lease.node_id:  # when the node dies, Ray restarts the handle elsewhere to say SandboxLost
+        options.update(_on_node(lease.node_id))
     handle = SandboxHandle.options(**options).remote(name, pool_actor_name(pool))
     handle._sandman_node, handle._sandman_name = lease.node_id, name
     return handle, must_register
@@ -177,13 +195,18 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
 def release(handle) -> None:
     """End the lease; the sandbox is reset for the next user (or deleted). The handle
     actor is kept for the next acquire in this process."""
-    ray.get(handle.release.remote())
-    _keep_idle(handle)
+    _after_release(handle, ray.get(handle.release.remote()))
 
 
 async def release_async(handle) -> None:
-    await handle.release.remote()
-    _keep_idle(handle)
+    _after_release(handle, await handle.release.remote())
+
+
+def _after_release(handle, reusable: bool) -> None:
+    if reusable:
+        _keep_idle(handle)
+    else:  # Ray restarted it: it may sit on another node than the one it is filed under
+        ray.kill(handle)
 
 
 def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:

@@ -24,6 +24,10 @@ FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "se
              "read_file", "write_file", "stat", "list_dir", "mkdir", "remove", "move",
              "get_archive", "put_archive")
 TOUCH_EVERY_S = 2.0  # how often a busy handle tells the pool it is in use
+# Ray restarts a handle whose process or node died (not one whose owner died or that was
+# killed): the new incarnation holds nothing, so calls in flight or queued then are
+# retried on it and raise SandboxLost instead of Ray's actor errors.
+HANDLE_RESTARTS = 3
 
 
 class _SandboxHandle:
@@ -34,6 +38,9 @@ class _SandboxHandle:
         self.client: Optional[AsyncDaemonClient] = None
         self.touched = 0.0
         self.pool = None  # (actor name, handle): looked up once per pool
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted:  # whatever the old incarnation held is lost: the pool frees it
+            self._pool().handle_restarted.remote(name)
 
     def _pool(self):
         from sandman_ray.pool.actor import NAMESPACE
@@ -61,14 +68,15 @@ class _SandboxHandle:
         return self.name
 
     async def release(self) -> bool:
-        """End the lease; the handle is idle afterwards, ready for another."""
+        """End the lease. True: the handle is idle afterwards, ready for another; False:
+        it was restarted (perhaps on another node than its sandbox's) and should go."""
         lease, self.lease = self.lease, None
         if self.client is not None:
             self.client.close()
             self.client = None
-        if lease is None:
-            return False
-        return await self._pool().release.remote(lease.lease_id)
+        if lease is not None:
+            await self._pool().release.remote(lease.lease_id)
+        return not self.restarted
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -78,6 +86,9 @@ class _SandboxHandle:
 
     async def _call(self, op: str, args, kwargs):
         if self.client is None or self.lease is None:
+            if self.restarted:
+                raise SandboxLost("handle %s was restarted after its process or Ray node "
+                                  "died: its sandbox is lost" % self.name)
             raise SandmanError("handle %s holds no sandbox (released?)" % self.name)
         now = time.monotonic()
         if now - self.touched > TOUCH_EVERY_S:
@@ -106,4 +117,5 @@ def _forward(op: str):
 for _op in FORWARDED:
     setattr(_SandboxHandle, _op, _forward(_op))
 
-SandboxHandle = ray.remote(num_cpus=0, max_restarts=0)(_SandboxHandle)
+SandboxHandle = ray.remote(num_cpus=0, max_restarts=HANDLE_RESTARTS,
+                           max_task_retries=-1)(_SandboxHandle)

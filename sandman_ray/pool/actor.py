@@ -9,7 +9,9 @@ delete released sandboxes, delete surplus. State transitions happen only through
 The watchdog sweeps every ``sweep_interval_s``: a lease whose handle actor is gone
 (one ``list_named_actors`` call per sweep, never a reference to the handle, which would
 keep it alive), that never registered a handle within the grace, or that outlived its
-TTL or idle timeout, is reclaimed.
+TTL or idle timeout, is reclaimed. Sandboxes on a Ray node that has died went with it:
+the pool checks the nodes every ``NODE_CHECK_S``, forgets those sandboxes (ending their
+leases) and creates their warm capacity again on the nodes that are left.
 
 Leases are written to Ray's GCS key-value store, so a restarted PoolActor rebuilds its
 state from the provider's labelled inventory and those records: live leases go on, the
@@ -52,6 +54,7 @@ SURPLUS_LINGER_S = 10.0
 # finished after this actor restarted (its request died with the old process) leaves a
 # sandbox no record knows, which is deleted.
 INVENTORY_INTERVAL_S = 5.0
+NODE_CHECK_S = 1.0     # how often the pool asks the GCS which Ray nodes are alive
 
 
 def pool_actor_name(pool: str) -> str:
@@ -79,7 +82,7 @@ class PoolActor:
         self.events: Deque[tuple] = collections.deque(maxlen=EVENT_LOG)
         self.metrics: Optional[PoolMetrics] = None  # made in this actor's process
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
-                      "throttled": 0, "reclaimed": 0, "leases": 0}
+                      "throttled": 0, "reclaimed": 0, "leases": 0, "lost": 0}
         self.create_starts: List[float] = []  # wall clock of each provider create call
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.kv_thread = None
@@ -109,6 +112,7 @@ class PoolActor:
         self.recovered.set_result(None)
         next_sweep = 0.0
         next_inventory = time.monotonic() + INVENTORY_INTERVAL_S
+        next_node_check = 0.0
         while True:
             try:
                 self._tick()
@@ -118,6 +122,9 @@ class PoolActor:
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.config.sweep_interval_s
                     await self._sweep()
+                if time.monotonic() >= next_node_check:
+                    next_node_check = time.monotonic() + NODE_CHECK_S
+                    await self._drop_dead_nodes()
                 if time.monotonic() >= next_inventory:
                     next_inventory = time.monotonic() + INVENTORY_INTERVAL_S
                     await self._delete_strays()
@@ -197,6 +204,17 @@ class PoolActor:
         if rec is not None:
             rec.last_used = time.monotonic()
         return rec is not None
+
+    async def handle_restarted(self, handle: str) -> int:
+        """Ray restarted the handle actor ``handle`` after its process or node died: the
+        new one holds nothing, so the leases of the old one end. Returns how many."""
+        await self._ensure_started()
+        held = [r for r in self.records.values()
+                if r.state is State.LEASED and r.handle == handle]
+        for rec in held:
+            self.stats["reclaimed"] += 1
+            self._end_lease(rec, "reclaimed: handle %s was restarted" % handle)
+        return len(held)
 
     async def release(self, lease_id: str) -> bool:
         await self._ensure_started()
@@ -535,6 +553,20 @@ class PoolActor:
                 self.stats["reclaimed"] += 1
                 self._end_lease(rec, "reclaimed: " + why)
 
+    async def _drop_dead_nodes(self) -> None:
+        """Forget the sandboxes on Ray nodes that have died (with them): their holders
+        get SandboxLost from their handles, and warm capacity is created elsewhere."""
+        placed = {rec.info.node_id for rec in self.records.values()
+                  if rec.info is not None and rec.info.node_id}
+        if not placed:
+            return
+        dead = placed - await asyncio.get_running_loop().run_in_executor(None, _alive_nodes)
+        for rec in list(self.records.values()):
+            node = rec.info.node_id if rec.info is not None else None
+            if node in dead and rec.state not in (State.DELETING, State.GONE):
+                self.stats["lost"] += 1
+                self._delete_soon(rec, "lost: Ray node %s died" % node[:12])
+
     def _orphaned(self, rec: Sandbox, names: set, now: float) -> Optional[str]:
         """Why no live handle holds the leased ``rec`` (None: one does, or its handle
         may still be starting). ``names``: the live handle actors' names."""
@@ -634,6 +666,10 @@ def _spec_of(info) -> SandboxSpec:
     if isinstance(spec, SandboxSpec):
         return spec
     return SandboxSpec(image=(info.details or {}).get("image", "host"))
+
+
+def _alive_nodes() -> set:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _live_handle_names() -> set:

@@ -22,6 +22,7 @@ REASON_CLASSES = (
     ("create_failed", r"^create failed"), ("reset_failed", r"^reset failed"),
     ("handle_gone", r"^handle .* is gone"), ("no_handle", r"^no handle"),
     ("ttl", r"ttl|TTL"), ("idle", r"idle"), ("stray", r"stray|no record"), ("gc", r"^gc:"),
+    ("node_lost", r"^lost: Ray node"),
 )
 REFRESH_S = 1.0  # gauges are set at most this often (Ray exports every few seconds)
 

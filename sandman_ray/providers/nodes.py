@@ -139,6 +139,7 @@ class NodeAgentProvider(Provider):
 
     def _agent_gone(self, node_id: str, exc: Exception) -> ProviderError:
         self._agents.pop(node_id, None)
+        self._nodes = None  # perhaps its node died: ask the GCS again before the next pick
         return transient("%s on %s is gone: %s" % (self.agent_kind, node_id, exc))
 
     async def _pick_node(self) -> str:

@@ -6,7 +6,8 @@ The process chain, per sandbox (recipes measured in PLATFORM.md)::
         join the sandbox's cgroups; mount the overlay (image lower, per-sandbox upper)
         exec bwrap --bind MERGED / --ro-bind BUNDLE /.sandman --bind RUN /run/sandman
                    --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
-                   --cap-drop ALL --cap-add (a container's default set) ...
+                   --cap-drop ALL --cap-add (a container's default set)
+                   --seccomp FD (providers/seccomp.py) ...
             /.sandman/bin/sandmand --listen unix:/run/sandman/sock ...   (PID 1 inside)
 
 The overlay is mounted in a private mount namespace, so it vanishes with the sandbox:
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
+from sandman_ray.providers import seccomp
 from sandman_ray.spec import SandboxSpec
 
 SOCKET_DIR = "/run/sandman"
@@ -50,6 +52,20 @@ fi
 shift 4
 exec "$@"
 """
+
+
+def _filter_pipe() -> Optional[int]:
+    """The read end of a pipe holding the seccomp program (bwrap reads it to the end),
+    or None on a CPU the filter is not written for."""
+    code = seccomp.program()
+    if code is None:
+        return None
+    read, write = os.pipe()
+    try:
+        os.write(write, code)  # a few hundred bytes: within the pipe's buffer
+    finally:
+        os.close(write)
+    return read
 
 
 class Cgroups:
@@ -235,7 +251,7 @@ class SandboxProcess:
                 args += ["--ro-bind", path, path]
         return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
 
-    def argv(self, ready_fd: int) -> List[str]:
+    def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None) -> List[str]:
         bwrap = ["bwrap"] + self._root_args() + [
             "--ro-bind", str(self.bundle), DEFAULT_MOUNT,
             "--bind", str(self.state_dir / "run"), SOCKET_DIR,
@@ -253,6 +269,8 @@ class SandboxProcess:
             bwrap.append("--unshare-net")
         for cap in CAPABILITIES:
             bwrap += ["--cap-add", "CAP_" + cap]
+        if seccomp_fd is not None:
+            bwrap += ["--seccomp", str(seccomp_fd)]
         workdir = self._workdir()
         bwrap += ["--chdir", workdir] + daemon_argv() + [
             "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
@@ -283,18 +301,22 @@ class SandboxProcess:
             self.cgroups.create(self.spec)
         self.applied = dict(self.cgroups.applied) if self.cgroups else {}
         ready_r, ready_w = os.pipe()
+        filter_r = _filter_pipe()
         env = dict(self._environment(), SANDMAN_TOKEN=self.token)
         env["SANDMAN_CGROUP_PROCS"] = " ".join(self.cgroups.procs_files()) if self.cgroups else ""
         try:
             self.proc = subprocess.Popen(
-                self.argv(ready_w), env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(ready_w,),
+                self.argv(ready_w, filter_r), env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(ready_w,) if filter_r is None else (ready_w, filter_r),
                 start_new_session=True)
         except BaseException:
             os.close(ready_r)
             raise
         finally:
             os.close(ready_w)
+            if filter_r is not None:
+                os.close(filter_r)
         self.ready_fd = ready_r
         self.started_at = time.time()
 

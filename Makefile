@@ -15,7 +15,7 @@ STAMP = $(VENV)/.installed-$(1)
 DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
 	podman runc iptables docker-registry chromium
 
-.PHONY: demo test bench system-packages clean
+.PHONY: demo test test-chaos bench system-packages clean
 
 system-packages:
 	@tools/ensure-debian-packages $(DEBIAN_PACKAGES)
@@ -33,6 +33,10 @@ demo: system-packages $(call STAMP,examples)
 
 test: system-packages $(call STAMP,test)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
+
+# the fault suite (bench/chaos.py), every scenario once, as a test
+test-chaos: system-packages $(call STAMP,test)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_chaos.py
 
 bench: system-packages $(call STAMP,test)
 	$(BIN)/python bench/noop.py

@@ -1,10 +1,12 @@
 """Shared fixtures: real daemons as subprocesses, the real bundle, real bwrap."""
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -163,6 +165,50 @@ def bundle():
 def busybox_rootfs():
     from sandman_ray.image_builders import build_busybox_rootfs
     return build_busybox_rootfs(CACHE / "images" / "busybox")
+
+
+LOCAL_STATE = "/tmp/sandman-ray-test/state"
+LOCAL_CACHE = str(ROOT / ".cache" / "provider")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def new_id():
+    return "sb-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="module")
+def local_provider():
+    """A LocalProvider on a local Ray started for the test module."""
+    import ray
+    from sandman_ray.providers.local import LocalProvider
+    require_bwrap()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    p = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE).bind(
+        "test-%s" % uuid.uuid4().hex[:6])
+    yield p
+    run(p.shutdown())
+    ray.shutdown()
+
+
+class Sandbox:
+    """A provider's sandbox, with a daemon client, for the length of a ``with`` block."""
+
+    def __init__(self, provider, spec):
+        from sandman_ray.spec import SandboxSpec
+        self.provider, self.spec, self.id = provider, SandboxSpec.of(spec), new_id()
+
+    def __enter__(self):
+        self.info = run(self.provider.create(self.id, self.spec, {"test": "yes"}))
+        self.client = DaemonClient(self.info.address, self.info.token, default_timeout=60)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        run(self.provider.delete(self.id))
 
 
 def require_bwrap():

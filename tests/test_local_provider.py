@@ -16,45 +16,13 @@ from sandman_ray import DaemonClient, ProviderError
 from sandman_ray.image_builders import write_docker_archive, write_oci_layout
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
-from conftest import ROOT, processes_matching, require_bwrap
-
-STATE = "/tmp/sandman-ray-test/state"
-CACHE = str(ROOT / ".cache" / "provider")
+from conftest import LOCAL_CACHE as CACHE, LOCAL_STATE as STATE
+from conftest import ROOT, Sandbox, new_id, processes_matching, run
 
 
 @pytest.fixture(scope="module")
-def provider():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    p = LocalProvider(state_root=STATE, cache_root=CACHE).bind("test-%s" % uuid.uuid4().hex[:6])
-    yield p
-    run(p.shutdown())
-    ray.shutdown()
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def new_id():
-    return "sb-" + uuid.uuid4().hex[:10]
-
-
-class Sandbox:
-    """A sandbox for the length of a ``with`` block."""
-
-    def __init__(self, provider, spec):
-        self.provider, self.spec, self.id = provider, SandboxSpec.of(spec), new_id()
-
-    def __enter__(self):
-        self.info = run(self.provider.create(self.id, self.spec, {"test": "yes"}))
-        self.client = DaemonClient(self.info.address, self.info.token, default_timeout=60)
-        return self
-
-    def __exit__(self, *exc):
-        self.client.close()
-        run(self.provider.delete(self.id))
+def provider(local_provider):
+    return local_provider
 
 
 @pytest.fixture(scope="module")

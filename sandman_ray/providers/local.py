@@ -51,6 +51,7 @@ class NodeAgent:
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
         self.labels: Dict[str, Dict[str, str]] = {}
         self.creating = SingleFlight()  # a retried create joins the one in flight
+        self.closed = False  # shut down: no sandbox may start or stay
 
     def _remove_leftovers(self) -> None:
         """What a dead agent of this pool and node left: its sandboxes died with it,
@@ -79,6 +80,8 @@ class NodeAgent:
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels: Dict[str, str]) -> SandboxInfo:
+        if self.closed:
+            raise fatal("the agent of pool %s on node %s is shut down" % (self.pool, self.node_id))
         if sandbox_id in self.sandboxes:
             return self._info(sandbox_id)
         return await self.creating.run(sandbox_id,
@@ -107,6 +110,10 @@ class NodeAgent:
         except ProviderError:
             await loop.run_in_executor(None, sandbox.remove, self.trash)
             raise
+        if self.closed:  # shut down while it started: nothing of it may stay
+            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            raise fatal("the agent of pool %s on node %s was shut down during the create of %s"
+                        % (self.pool, self.node_id, sandbox_id))
         self.sandboxes[sandbox_id] = sandbox
         self.labels[sandbox_id] = dict(labels)
         return self._info(sandbox_id)
@@ -160,7 +167,11 @@ class NodeAgent:
                 if all(own.get(k) == v for k, v in wanted)]
 
     async def shutdown(self) -> int:
-        """Delete every sandbox of this agent; returns how many there were."""
+        """Delete every sandbox of this agent, also those still being created (they
+        are removed as they finish); returns how many there were. No create starts
+        afterwards."""
+        self.closed = True
+        await asyncio.gather(*self.creating.running.values(), return_exceptions=True)
         ids = list(self.sandboxes)
         await asyncio.gather(*(self.delete(sid) for sid in ids))
         from sandman_ray.providers.janitor import clean

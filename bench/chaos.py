@@ -78,6 +78,12 @@ def status(pool: str) -> dict:
     return ray.get(sandman.get_pool(pool).status.remote())
 
 
+def ready_on_alive_nodes(pool: str) -> int:
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return sum(1 for s in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+               if s["state"] == "ready" and s["node_id"] in alive)
+
+
 def leased(pool: str) -> int:
     return status(pool)["states"]["leased"]
 
@@ -363,7 +369,7 @@ def node_removed(trial: Trial) -> Trial:
     trial.surfaced = sum(t is not None for t in seen)
     for handle in doomed + kept:
         sandman.release(handle)
-    if until(lambda: status(pool)["states"]["ready"] >= 2 and leased(pool) == 0):
+    if until(lambda: ready_on_alive_nodes(pool) >= 2 and leased(pool) == 0):
         trial.reclaim_s = time.monotonic() - started  # from the removal
     working = sandman.acquire(IMAGE, pool=pool, timeout=60)
     works = ray.get(working.exec.remote("true")).exit_code == 0

@@ -18,6 +18,7 @@ from sandman_ray.errors import (
 from sandman_ray.providers.docker import DockerProvider
 from sandman_ray.providers.kubernetes import KubernetesProvider
 from sandman_ray.providers.local import LocalProvider
+from sandman_ray.handle import SandboxHandle
 from sandman_ray.spec import PoolConfig, SandboxSpec
 
 __version__ = "0.1.0"
@@ -27,6 +28,6 @@ __all__ = [
     "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat",
     "KubernetesProvider", "LocalProvider",
     "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
-    "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
+    "SandboxHandle", "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
     "get_pool", "release", "release_async", "sandbox", "shutdown_pool",
 ]

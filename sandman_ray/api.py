@@ -6,21 +6,21 @@ import os
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional, Union
+from typing import Dict, Optional, Union
 
 import ray
 
-from sandman_ray.errors import AcquireTimeout, SandmanError
-from sandman_ray.handle import SandboxHandle
+from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
+from sandman_ray.handle import HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, handle_name_prefix, pool_actor_name
 from sandman_ray.spec import PoolConfig, SandboxSpec
 
 SpecLike = Union[SandboxSpec, str]
-MAX_IDLE_HANDLES = 64  # released handles this process keeps for the next acquires
 POOL_RESTART_RETRIES = 20  # times a lease request is asked again of a restarting PoolActor
+BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn out gone
 
-_idle: Dict[str, List] = {}   # node id -> idle handles
-_idle_lock = threading.Lock()
+_hosts: Dict[str, object] = {}  # node id ("" for anywhere) -> this process's HandleHost
+_hosts_lock = threading.Lock()
 _pools: Dict[str, object] = {}  # pool name -> actor handle (a name lookup is a GCS call)
 _cached_for = [None]  # the Ray session the two caches above belong to
 
@@ -31,8 +31,8 @@ def _caches_current() -> None:
     ctx = ray.get_runtime_context()
     session = (ctx.gcs_address, ctx.get_node_id())
     if _cached_for[0] != session:
-        with _idle_lock:
-            _idle.clear()
+        with _hosts_lock:
+            _hosts.clear()
             _pools.clear()
             _cached_for[0] = session
 
@@ -105,141 +105,130 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
-def _request_lease(pool: str, spec: SpecLike, client: Optional[str], timeout: float,
-                   handle_name: str):
+def _request_lease(pool: str, spec: SpecLike, client: Optional[str], timeout: float):
     """The pool's ``lease`` call (an ObjectRef), under a task name the Ray dashboard
     shows."""
     return _pool_for(pool).lease.options(name="sandman:lease:%s" % pool).remote(
-        SandboxSpec.of(spec), client or _client_id(), timeout, handle_name)
+        SandboxSpec.of(spec), client or _client_id(), timeout)
 
 
-def _take_idle():
-    """An idle handle of this process, or None. Its name goes with the lease request:
-    if the lease lands on its node it holds the lease without registering again."""
-    with _idle_lock:
-        for handles in _idle.values():
-            if handles:
-                return handles.pop()
-    return None
+def _host(node_id: Optional[str]):
+    """This process's HandleHost on ``node_id`` (anywhere for None), started once."""
+    key = node_id or ""
+    with _hosts_lock:
+        host = _hosts.get(key)
+        if host is None:
+            name = "%s%s-%s" % (handle_name_prefix(), ray.get_runtime_context().get_worker_id()[:12],
+                                uuid.uuid4().hex[:6])
+            options = {"name": name, "namespace": NAMESPACE}
+            if node_id:  # when the node dies, Ray restarts the host elsewhere to say SandboxLost
+                options.update(_on_node(node_id))
+            host = _hosts[key] = HandleHost.options(**options).remote(name)
+        return host
 
 
-def _holder(lease, pool: str, idle, claimed: str):
-    """(handle, must_register): ``idle`` when the lease is on its node; else a new
-    handle on the lease's node, named ``claimed`` when that name is free (the pool
-    already watches it), else a fresh name that must register with the pool."""
-    if idle is not None and getattr(idle, "_sandman_node", None) == lease.node_id:
-        return idle, False
-    must_register = idle is not None
-    if idle is not None:
-        _keep_idle(idle)
-    name = _new_handle_name() if must_register else claimed
-    options = {"name": name, "namespace": NAMESPACE}
-    if lease.node_id:  # when the node dies, Ray restarts the handle elsewhere to say SandboxLost
-        options.update(_on_node(lease.node_id))
-    handle = SandboxHandle.options(**options).remote(name, pool_actor_name(pool))
-    handle._sandman_node, handle._sandman_name = lease.node_id, name
-    return handle, must_register
-
-
-def _new_handle_name() -> str:
-    return handle_name_prefix() + uuid.uuid4().hex[:12]
+def _forget_host(node_id: Optional[str], host) -> None:
+    with _hosts_lock:
+        if _hosts.get(node_id or "") is host:
+            del _hosts[node_id or ""]
 
 
 def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
-            client: Optional[str] = None):
-    """Lease a sandbox and return its SandboxHandle actor (use it with ``ray.get``).
-    Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
-    _pool_for(pool)  # no pool: fails here, before an idle handle is taken
-    idle = _take_idle()
-    name = idle._sandman_name if idle is not None else _new_handle_name()
+            client: Optional[str] = None) -> SandboxHandle:
+    """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
+    ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
+    _pool_for(pool)  # no pool: fails here
     deadline = time.monotonic() + timeout
+    for attempt in range(BIND_ATTEMPTS):
+        lease = _lease(pool, spec, client, deadline)
+        host = _host(lease.node_id)
+        try:
+            ray.get(host.bind.remote(lease))
+            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id)
+        except BaseException as exc:
+            _after_failed_bind(lease, host, exc, attempt, deadline)
+
+
+def _lease(pool: str, spec: SpecLike, client: Optional[str], deadline: float):
     for attempt in range(POOL_RESTART_RETRIES + 1):
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            lease = ray.get(_request_lease(pool, spec, client, left, name), timeout=left + 30)
-            break
+            return ray.get(_request_lease(pool, spec, client, left), timeout=left + 30)
+        except ray.exceptions.GetTimeoutError:
+            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
         except BaseException as exc:
-            _after_failed_lease(idle, exc)
-            idle = None
-            if isinstance(exc, ray.exceptions.GetTimeoutError):
-                raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
             time.sleep(_retry_after(exc, attempt, deadline))
-            name = _new_handle_name()
-    handle, must_register = _holder(lease, pool, idle, name)
-    ray.get(handle.bind.remote(lease, must_register))
-    return handle
 
 
 async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
-                        client: Optional[str] = None):
+                        client: Optional[str] = None) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     _pool_for(pool)
-    idle = _take_idle()
-    name = idle._sandman_name if idle is not None else _new_handle_name()
     deadline = time.monotonic() + timeout
+    for attempt in range(BIND_ATTEMPTS):
+        lease = await _lease_async(pool, spec, client, deadline)
+        host = _host(lease.node_id)
+        try:
+            await host.bind.remote(lease)
+            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id)
+        except BaseException as exc:
+            _after_failed_bind(lease, host, exc, attempt, deadline)
+
+
+async def _lease_async(pool: str, spec: SpecLike, client: Optional[str], deadline: float):
     for attempt in range(POOL_RESTART_RETRIES + 1):
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            lease = await _request_lease(pool, spec, client, left, name)
-            break
+            return await _request_lease(pool, spec, client, left)
         except BaseException as exc:
-            _after_failed_lease(idle, exc)
-            idle = None
             await asyncio.sleep(_retry_after(exc, attempt, deadline))
-            name = _new_handle_name()
-    handle, must_register = _holder(lease, pool, idle, name)
-    await handle.bind.remote(lease, must_register)
-    return handle
 
 
-def release(handle) -> None:
-    """End the lease; the sandbox is reset for the next user (or deleted). The handle
-    actor is kept for the next acquire in this process."""
-    _after_release(handle, ray.get(handle.release.remote()))
+def _after_failed_bind(lease, host, exc: BaseException, attempt: int, deadline: float) -> None:
+    """A host could not take ``lease``; returns to ask for another lease, else raises.
+    A host that died for good is replaced. A sandbox found gone (its node or agent just
+    died; the host gave the lease back) is replaced by another lease while the acquire
+    has time. A bind that was cancelled or interrupted gives the lease back (the host
+    may have taken it meanwhile)."""
+    last = attempt + 1 >= BIND_ATTEMPTS or time.monotonic() >= deadline
+    if isinstance(exc, ray.exceptions.ActorDiedError):
+        _forget_host(lease.node_id, host)
+        _pool_for(lease.pool).release.remote(lease.lease_id)  # no host will take it
+        if not last:
+            return
+    elif isinstance(exc, SandboxLost) and not last:
+        return
+    if not isinstance(exc, (SandmanError, ray.exceptions.RayActorError)):
+        host.release.remote(lease.lease_id)
+    raise exc
 
 
-async def release_async(handle) -> None:
-    _after_release(handle, await handle.release.remote())
+def release(handle: SandboxHandle) -> None:
+    """End the lease; the sandbox is reset for the next user (or deleted). A handle
+    whose host is gone (its lease is reclaimed anyway) is released quietly."""
+    handle._released()
+    try:
+        ray.get(handle._host.release.remote(handle.lease_id))
+    except ray.exceptions.RayActorError:
+        pass
 
 
-def _after_release(handle, reusable: bool) -> None:
-    if reusable:
-        _keep_idle(handle)
-    else:  # Ray restarted it: it may sit on another node than the one it is filed under
-        ray.kill(handle)
+async def release_async(handle: SandboxHandle) -> None:
+    handle._released()
+    try:
+        await handle._host.release.remote(handle.lease_id)
+    except ray.exceptions.RayActorError:
+        pass
 
 
 def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:
     """After a failed lease request: how long to wait before asking again, or re-raise.
     Only a PoolActor that Ray is restarting is asked again, until the acquire's
-    deadline; the caller asks under a fresh handle name, so a sandbox the dead
-    incarnation lent to the old name is reclaimed when no handle of that name appears."""
+    deadline. A sandbox the dead incarnation lent is reclaimed: no host registers it."""
     if not isinstance(exc, ray.exceptions.ActorUnavailableError) \
             or attempt >= POOL_RESTART_RETRIES or time.monotonic() >= deadline:
         raise exc
     return min(0.05 * 2 ** attempt, 1.0, max(deadline - time.monotonic(), 0.0))
-
-
-def _after_failed_lease(idle, exc: BaseException) -> None:
-    """A lease request that named ``idle`` failed. When the pool refused it (an error
-    of ours), ``idle`` holds nothing and is kept; when the request was cancelled or not
-    answered, the pool may still lend a sandbox to that name, so the handle is killed
-    and the pool's watchdog reclaims the lease."""
-    if idle is None:
-        return
-    if isinstance(exc, SandmanError):
-        _keep_idle(idle)
-    else:
-        ray.kill(idle)
-
-
-def _keep_idle(handle) -> None:
-    node = getattr(handle, "_sandman_node", None) or ""
-    with _idle_lock:
-        if sum(len(v) for v in _idle.values()) < MAX_IDLE_HANDLES:
-            _idle.setdefault(node, []).append(handle)
-            return
-    ray.kill(handle)
 
 
 @contextlib.contextmanager

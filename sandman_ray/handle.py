@@ -1,21 +1,32 @@
-"""SandboxHandle: the actor through which one client uses one leased sandbox.
+"""SandboxHandle: what ``acquire`` returns, and the actors that serve it.
 
-Created by the client, so owned by it: the handle dies with its owner (driver, worker
-or actor), and a handle whose last reference is dropped is collected; the pool's
-watchdog then sees its name gone and reclaims the sandbox. A handle runs on its
-sandbox's node (the daemon's unix socket is there), uses ``num_cpus=0`` and one
-asyncio connection with many requests in flight. A released handle is kept idle by the
-client library and bound to the next lease on the same node, so a steady-state acquire
-starts no new actor process.
+A client process uses its sandboxes through one ``HandleHost`` actor per Ray node (the
+daemons' unix sockets are on their nodes). The host is created by the client, so owned
+by it: it dies with its owner (driver, worker or actor), and the pool's watchdog then
+sees its name gone and reclaims every lease it held. It uses ``num_cpus=0`` and one
+asyncio connection per sandbox with many requests in flight. One host per process and
+node, instead of an actor per lease, means a burst of leases starts no actor process
+once a client has a host on each node (a Ray actor costs ~0.35 s of CPU and ~55 MB).
+
+A ``SandboxHandle`` names one lease on one host and reads like an actor handle:
+``ray.get(sb.exec.remote("ls"))``, ``await sb.run.remote("cd /tmp")``. It pickles, so
+it can be passed to tasks and actors. When the handle is garbage collected in the
+process that acquired it, and was never passed on, its lease is released.
+
+Ray restarts a host whose process or node died (not one whose owner died or that was
+killed). The new incarnation holds no lease: calls in flight or queued then are retried
+on it and raise SandboxLost instead of Ray's actor errors, and it tells the pools, which
+end the old incarnation's leases.
 """
 
 import time
-from typing import Optional
+import weakref
+from typing import Dict, Optional, Set
 
 import ray
 
 from sandman_ray.client import AsyncDaemonClient
-from sandman_ray.errors import CallTimeout, ConnectionLost, ExecTimeout, SandboxLost, SandmanError
+from sandman_ray.errors import CallTimeout, ConnectionLost, ExecTimeout, SandboxLost
 from sandman_ray.pool.metrics import handle_call_latency
 
 # The daemon operations a handle forwards (see sandman_ray.client for their arguments).
@@ -23,99 +34,170 @@ FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "se
              "spawn", "proc_status", "proc_list", "proc_output", "proc_wait", "proc_signal",
              "read_file", "write_file", "stat", "list_dir", "mkdir", "remove", "move",
              "get_archive", "put_archive")
-TOUCH_EVERY_S = 2.0  # how often a busy handle tells the pool it is in use
-# Ray restarts a handle whose process or node died (not one whose owner died or that was
-# killed): the new incarnation holds nothing, so calls in flight or queued then are
-# retried on it and raise SandboxLost instead of Ray's actor errors.
-HANDLE_RESTARTS = 3
+# What a handle answers about itself, through its host.
+DESCRIBED = ("sandbox_id", "node_id")
+TOUCH_EVERY_S = 2.0  # how often a busy lease tells the pool it is in use
+HOST_RESTARTS = 3
 
 
-class _SandboxHandle:
-    def __init__(self, name: str, pool_actor_name: str):
+class _Held:
+    """One lease a host holds: its daemon connection and when the pool last heard."""
+
+    def __init__(self, lease, client: AsyncDaemonClient):
+        self.lease, self.client, self.touched = lease, client, 0.0
+
+
+class _HandleHost:
+    def __init__(self, name: str):
         self.name = name
-        self.pool_actor_name = pool_actor_name
-        self.lease = None
-        self.client: Optional[AsyncDaemonClient] = None
-        self.touched = 0.0
-        self.pool = None  # (actor name, handle): looked up once per pool
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if self.restarted:  # whatever the old incarnation held is lost: the pool frees it
-            self._pool().handle_restarted.remote(name)
+        self.held: Dict[str, _Held] = {}  # lease id -> what it holds
+        self.dropped: Set[str] = set()  # released before their bind finished
+        self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._tell_pools_of_restart()
 
-    def _pool(self):
-        from sandman_ray.pool.actor import NAMESPACE
-        if self.pool is None or self.pool[0] != self.pool_actor_name:
-            self.pool = (self.pool_actor_name,
-                         ray.get_actor(self.pool_actor_name, namespace=NAMESPACE))
-        return self.pool[1]
+    def _tell_pools_of_restart(self) -> None:
+        """Whatever the old incarnation held is lost: every pool frees its leases."""
+        from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+        prefix = pool_actor_name("")
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefix):
+                ray.get_actor(entry["name"], namespace=NAMESPACE).handle_restarted.remote(self.name)
 
-    async def bind(self, lease, register: bool = True) -> str:
-        """Take ``lease``: connect to its daemon and, unless the pool was given this
-        handle's name with the lease request, register with the pool (which also
+    def _pool(self, pool: str):
+        if pool not in self.pools:
+            from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+            self.pools[pool] = ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
+        return self.pools[pool]
+
+    async def bind(self, lease) -> str:
+        """Take ``lease``: connect to its daemon and register with the pool (which
         confirms the lease is still open)."""
-        from sandman_ray.pool.actor import pool_actor_name
-        if self.client is not None:
-            self.client.close()
-        self.lease, self.client = lease, None
-        self.pool_actor_name = pool_actor_name(lease.pool)  # an idle handle serves any pool
         try:
-            self.client = await AsyncDaemonClient.connect(lease.address, lease.token)
+            client = await AsyncDaemonClient.connect(lease.address, lease.token)
         except ConnectionLost as exc:
+            await self._pool(lease.pool).release.remote(lease.lease_id)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
-        if register and not await self._pool().register.remote(lease.lease_id, self.name):
+        self.held[lease.lease_id] = _Held(lease, client)
+        if not await self._pool(lease.pool).register.remote(lease.lease_id, self.name):
+            self.held.pop(lease.lease_id).client.close()
             raise SandboxLost("lease %s of sandbox %s ended before it was taken"
                               % (lease.lease_id, lease.sandbox_id))
+        if lease.lease_id in self.dropped:  # the acquire gave up while this bind ran
+            self.dropped.discard(lease.lease_id)
+            await self.release(lease.lease_id)
+            raise SandboxLost("lease %s was given back while it was being taken" % lease.lease_id)
         return self.name
 
-    async def release(self) -> bool:
-        """End the lease. True: the handle is idle afterwards, ready for another; False:
-        it was restarted (perhaps on another node than its sandbox's) and should go."""
-        lease, self.lease = self.lease, None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        if lease is not None:
-            await self._pool().release.remote(lease.lease_id)
-        return not self.restarted
+    async def release(self, lease_id: str) -> bool:
+        """End the lease (False: this host did not hold it)."""
+        held = self.held.pop(lease_id, None)
+        if held is None:
+            if len(self.dropped) < 10000:
+                self.dropped.add(lease_id)  # perhaps its bind is still under way
+            return False
+        held.client.close()
+        await self._pool(held.lease.pool).release.remote(lease_id)
+        return True
 
-    def node_id(self) -> str:
+    def node_id(self, lease_id: str) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def sandbox_id(self) -> Optional[str]:
-        return self.lease.sandbox_id if self.lease else None
+    def sandbox_id(self, lease_id: str) -> Optional[str]:
+        held = self.held.get(lease_id)
+        return held.lease.sandbox_id if held else None
 
-    async def _call(self, op: str, args, kwargs):
-        if self.client is None or self.lease is None:
-            if self.restarted:
-                raise SandboxLost("handle %s was restarted after its process or Ray node "
-                                  "died: its sandbox is lost" % self.name)
-            raise SandmanError("handle %s holds no sandbox (released?)" % self.name)
-        now = time.monotonic()
-        if now - self.touched > TOUCH_EVERY_S:
-            self.touched = now
-            self._pool().touch.remote(self.lease.lease_id)
+    def _holding(self, lease_id: str) -> _Held:
+        held = self.held.get(lease_id)
+        if held is not None:
+            return held
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            raise SandboxLost("lease %s: its handle host %s was restarted after its process "
+                              "or Ray node died, and the sandbox is lost" % (lease_id, self.name))
+        raise SandboxLost("lease %s is not held (released, reclaimed or lost)" % lease_id)
+
+    async def _call(self, lease_id: str, op: str, args, kwargs):
+        held = self._holding(lease_id)
+        lease, now = held.lease, time.monotonic()
+        if now - held.touched > TOUCH_EVERY_S:
+            held.touched = now
+            self._pool(lease.pool).touch.remote(lease_id)
         try:
-            result = await getattr(self.client, op)(*args, **kwargs)
+            result = await getattr(held.client, op)(*args, **kwargs)
             handle_call_latency().observe(time.monotonic() - now,
-                                          tags={"pool": self.lease.pool, "op": op})
+                                          tags={"pool": lease.pool, "op": op})
             return result
         except ConnectionLost as exc:
             raise SandboxLost("sandbox %s is gone (%s during %s)"
-                              % (self.lease.sandbox_id, exc, op)) from exc
+                              % (lease.sandbox_id, exc, op)) from exc
         except CallTimeout as exc:
-            raise ExecTimeout("%s on sandbox %s: %s" % (op, self.lease.sandbox_id, exc)) from exc
+            raise ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc)) from exc
 
 
 def _forward(op: str):
-    async def method(self, *args, **kwargs):
-        return await self._call(op, args, kwargs)
+    async def method(self, lease_id: str, *args, **kwargs):
+        return await self._call(lease_id, op, args, kwargs)
     method.__name__ = op
     method.__doc__ = "Forwarded to the daemon: see DaemonClient.%s." % op
     return method
 
 
 for _op in FORWARDED:
-    setattr(_SandboxHandle, _op, _forward(_op))
+    setattr(_HandleHost, _op, _forward(_op))
 
-SandboxHandle = ray.remote(num_cpus=0, max_restarts=HANDLE_RESTARTS,
-                           max_task_retries=-1)(_SandboxHandle)
+HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries=-1,
+                        max_concurrency=10000)(_HandleHost)
+
+
+class _Method:
+    """``handle.<op>``: ``.remote(...)`` gives the call's ObjectRef, as on an actor."""
+
+    __slots__ = ("handle", "op")
+
+    def __init__(self, handle: "SandboxHandle", op: str):
+        self.handle, self.op = handle, op
+
+    def remote(self, *args, **kwargs):
+        return getattr(self.handle._host, self.op).remote(self.handle.lease_id, *args, **kwargs)
+
+
+class SandboxHandle:
+    """One leased sandbox, used like an actor handle: ``ray.get(sb.exec.remote("ls"))``.
+    Its operations are those of ``sandman_ray.client.DaemonClient`` plus ``sandbox_id``
+    and ``node_id``. Give it back with ``sandman_ray.release``."""
+
+    def __init__(self, host, lease_id: str, sandbox_id: str, node_id: Optional[str],
+                 owned: bool = True):
+        self._host, self.lease_id = host, lease_id
+        self.sandbox, self.node = sandbox_id, node_id
+        # the lease is released when this object is collected, unless it was passed on
+        self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id) \
+            if owned else None
+
+    def __getattr__(self, op: str):
+        if op in FORWARDED or op in DESCRIBED:
+            return _Method(self, op)
+        raise AttributeError("SandboxHandle has no operation %r" % op)
+
+    def __reduce__(self):
+        # passed to another process: it may use the lease after this object is gone
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        return (SandboxHandle, (self._host, self.lease_id, self.sandbox, self.node, False))
+
+    def _released(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __repr__(self) -> str:
+        return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
+
+
+def _release_quietly(host, lease_id: str) -> None:
+    """A handle was dropped without ``release``: give its lease back, without waiting
+    (this runs in the garbage collector, perhaps while Ray shuts down)."""
+    try:
+        if ray.is_initialized():
+            host.release.remote(lease_id)
+    except Exception:  # noqa: BLE001 - the owner's death or the watchdog reclaims it
+        pass

@@ -59,16 +59,22 @@ def test_acquire_exec_release_and_context_manager(pool, image):
     assert states(pool)["leased"] == 0
 
 
-def test_steady_state_acquire_reuses_the_idle_handle(cluster, image):
+def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image):
     pool = make_pool(warm={image: 1})
     try:
         first = sandman.acquire(image, pool=pool)
-        actor_id = first._actor_id
+        host = first._host._actor_id
         sandman.release(first)
-        second = sandman.acquire(image, pool=pool)
-        assert second._actor_id == actor_id  # no new actor process
-        assert ray.get(second.exec.remote("true")).exit_code == 0
+        second, third = sandman.acquire(image, pool=pool), sandman.acquire(image, pool=pool)
+        assert second._host._actor_id == third._host._actor_id == host  # no new actor
+        assert ray.get(second.sandbox_id.remote()) != ray.get(third.sandbox_id.remote())
+        assert [r.exit_code for r in ray.get([second.exec.remote("true"),
+                                              third.exec.remote("false")])] == [0, 1]
         sandman.release(second)
+        with pytest.raises(sandman.SandboxLost):  # a released handle holds nothing
+            ray.get(second.exec.remote("true"))
+        assert ray.get(third.exec.remote("true")).exit_code == 0
+        sandman.release(third)
     finally:
         sandman.shutdown_pool(pool)
 

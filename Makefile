@@ -38,8 +38,8 @@ test: system-packages $(call STAMP,test)
 test-chaos: system-packages $(call STAMP,test)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_chaos.py
 
-bench: system-packages $(call STAMP,test)
-	$(BIN)/python bench/noop.py
+bench: system-packages $(call STAMP,bench)
+	$(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -45,7 +45,7 @@ KV_NAMESPACE = "sandman"
 TICK_S = 0.05          # reconcile at least this often while anything is pending
 TICK_PER_RECORD_S = 2e-6  # how long events gather per record before a tick (large pools)
 CREATE_ATTEMPTS = 3    # transient failures of one create before it counts as failed
-EVENT_LOG = 1000       # transitions kept for ``events``
+EVENT_LOG = 5000       # transitions kept for ``events``
 # A READY sandbox beyond the warm target is deleted only after lingering this long: in
 # a loop of acquire/release it is taken again first, instead of one create and one
 # delete per episode (each ~60 ms of CPU here).

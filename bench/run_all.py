@@ -1,0 +1,535 @@
+"""The benchmark suite: every measure side by side in one run, one table, and
+``bench/results/latest.json`` with the machine's description.
+
+    python bench/run_all.py [--n 200] [--clients 4] [--samples 1000]     (make bench)
+
+On a local Ray with the LocalProvider:
+
+  noop   a no-op command through the public API (``ray.get(sb.exec.remote("true"))`` and
+         the session form ``sb.run``), beside: a bare Ray actor whose method spawns
+         ``true`` itself (the floor of our path: one actor call and one spawn), a bare
+         actor call, the daemon client straight to a sandbox, and SWE-ReX's
+         ``swerex-remote`` server (a host process, no sandbox) through its
+         ``RemoteRuntime``: ``execute`` and ``run_in_session``. Interleaved rounds.
+  burst  N acquires from M client processes at once, cold (no sandbox yet) and warm (N
+         ready), time to 50 % and 100 % usable (acquired and ``true`` answered), with the
+         median time each sandbox spent per stage: queued, created, started until it
+         answered, ready until lent, lent until usable. Beside it, the same N without the
+         pool: each client process starting its own sandboxes at once through the
+         provider.
+  reuse  E episodes on K sandboxes (K at a time; an episode runs one command):
+         release and acquire again (a reset) versus a new sandbox per episode.
+  cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import ray
+
+import sandman_ray as sandman
+from sandman_ray import AsyncDaemonClient, DaemonClient
+from sandman_ray.image_builders import build_busybox_rootfs
+from sandman_ray.providers.local import LocalProvider
+from sandman_ray.spec import SandboxSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local import pss_kb  # noqa: E402  (bench/local.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = "/tmp/sandman-ray/bench-all"
+CACHE = str(ROOT / ".cache" / "provider")
+RESULTS = ROOT / "bench" / "results" / "latest.json"
+ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+def pct(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def provider() -> LocalProvider:
+    return LocalProvider(state_root=STATE, cache_root=CACHE)
+
+
+# ---------------------------------------------------------------------- noop
+@ray.remote(num_cpus=0)
+class Bare:
+    """The floor of our path: a Ray actor call, and the same call spawning ``true``."""
+
+    def noop(self):
+        return None
+
+    def spawn_true(self):
+        pid = os.posix_spawn("/bin/true", ["true"], ENV)
+        return os.waitpid(pid, 0)[1]
+
+
+class SweRex:
+    """SWE-ReX's server (``swerex-remote``) as a host process, and its client."""
+
+    def __init__(self):
+        from swerex.runtime.remote import RemoteRuntime
+        token, port = secrets.token_hex(8), _free_port()
+        server = shutil.which("swerex-remote", path=str(Path(sys.executable).parent))
+        if server is None:
+            raise SystemExit("swerex-remote is missing: make bench installs it (pip install "
+                             "-e '.[bench]')")
+        self.proc = subprocess.Popen([server, "--host", "127.0.0.1", "--port", str(port),
+                                      "--auth-token", token], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=dict(os.environ, **ENV))
+        self.loop = asyncio.new_event_loop()
+        self.runtime = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token=token)
+        deadline = time.monotonic() + 60
+        while not self._alive():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit("swerex-remote did not start")
+            time.sleep(0.2)
+        from swerex.runtime.abstract import CreateBashSessionRequest
+        self.loop.run_until_complete(self.runtime.create_session(CreateBashSessionRequest()))
+
+    def _alive(self) -> bool:
+        try:
+            return bool(self.loop.run_until_complete(self.runtime.is_alive(timeout=2)).is_alive)
+        except Exception:  # noqa: BLE001 - not listening yet
+            return False
+
+    def execute(self):
+        from swerex.runtime.abstract import Command
+        result = self.loop.run_until_complete(self.runtime.execute(Command(command="true",
+                                                                           shell=True)))
+        assert result.exit_code == 0
+
+    def run_in_session(self):
+        from swerex.runtime.abstract import BashAction
+        result = self.loop.run_until_complete(self.runtime.run_in_session(
+            BashAction(command="true", check="silent")))
+        assert result.exit_code == 0
+
+    def close(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.loop.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def noop(samples: int, rounds: int = 10) -> dict:
+    pool = "bench-noop-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=provider(), warm={"host": 1})
+    direct = provider().bind("bench-direct-" + uuid.uuid4().hex[:6])
+    info = asyncio.run(direct.create("direct-" + uuid.uuid4().hex[:8],
+                                     SandboxSpec(image="host"), {}))
+    client = DaemonClient(info.address, info.token)
+    sb = sandman.acquire("host", pool=pool, timeout=120)
+    bare = Bare.remote()
+    swerex = SweRex()
+    try:
+        client.run("true")
+        ray.get(sb.run.remote("true"))  # both sessions open before timing
+        rows: Dict[str, Callable[[], object]] = {
+            "public API: exec true": lambda: ray.get(sb.exec.remote("true")),
+            "public API: session true": lambda: ray.get(sb.run.remote("true")),
+            "bare actor spawning true (floor)": lambda: ray.get(bare.spawn_true.remote()),
+            "bare actor call, no work": lambda: ray.get(bare.noop.remote()),
+            "daemon client: exec true": lambda: client.exec("true"),
+            "daemon client: session true": lambda: client.run("true"),
+            "SWE-ReX: execute true": swerex.execute,
+            "SWE-ReX: run_in_session true": swerex.run_in_session,
+        }
+        slow = {"SWE-ReX: execute true", "SWE-ReX: run_in_session true"}
+        times: Dict[str, List[float]] = {name: [] for name in rows}
+        for fn in rows.values():  # warm up
+            for _ in range(20):
+                fn()
+        for _ in range(rounds):
+            for name, fn in rows.items():
+                count = max(1, samples // rounds // (5 if name in slow else 1))
+                for _ in range(count):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        swerex.close()
+        client.close()
+        sandman.release(sb)
+        sandman.shutdown_pool(pool)
+        asyncio.run(direct.shutdown())
+    out = {name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "samples": len(v)}
+           for name, v in times.items()}
+    p50 = {name: row["p50_ms"] for name, row in out.items()}
+    out["ratios"] = {
+        "exec / floor": p50["public API: exec true"] / p50["bare actor spawning true (floor)"],
+        "SWE-ReX execute / exec": p50["SWE-ReX: execute true"] / p50["public API: exec true"],
+        "SWE-ReX run_in_session / session": p50["SWE-ReX: run_in_session true"]
+        / p50["public API: session true"]}
+    return out
+
+
+# ---------------------------------------------------------------------- burst
+POOLED_CLIENT = textwrap.dedent("""
+    import asyncio, json, sys, time, ray, sandman_ray as sandman
+    ray.init(address=sys.argv[1], namespace="sandman-bench", log_to_driver=False)
+    n = int(sys.argv[4])
+    print("go", flush=True)
+    start = float(sys.stdin.readline())   # a shared wall-clock start
+    async def one():
+        h = await sandman.acquire_async(sys.argv[3], pool=sys.argv[2], timeout=600)
+        r = await h.exec.remote("true")
+        assert r.exit_code == 0
+        return time.time(), h
+    async def main():
+        while time.time() < start:
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(*[one() for _ in range(n)])
+    results = asyncio.run(main())
+    print("usable " + json.dumps([[t, h.sandbox] for t, h in results]), flush=True)
+    sys.stdin.readline()
+    for _, h in results:
+        sandman.release(h)
+""")
+UNPOOLED_CLIENT = textwrap.dedent("""
+    import asyncio, json, sys, time, uuid, ray
+    from sandman_ray import AsyncDaemonClient
+    from sandman_ray.providers.local import LocalProvider
+    from sandman_ray.spec import SandboxSpec
+    ray.init(address=sys.argv[1], namespace="sandman-bench", log_to_driver=False)
+    n = int(sys.argv[4])
+    provider = LocalProvider(state_root=%r, cache_root=%r).bind(sys.argv[2])
+    spec = SandboxSpec(image=sys.argv[3])
+    print("go", flush=True)
+    start = float(sys.stdin.readline())
+    async def one():
+        sandbox_id = "unpooled-" + uuid.uuid4().hex[:10]
+        info = await provider.create(sandbox_id, spec, {})
+        client = await AsyncDaemonClient.connect(info.address, info.token)
+        assert (await client.exec("true")).exit_code == 0
+        client.close()
+        return time.time(), sandbox_id
+    async def main():
+        while time.time() < start:
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(*[one() for _ in range(n)])
+    results = asyncio.run(main())
+    print("usable " + json.dumps(results), flush=True)
+    sys.stdin.readline()
+    asyncio.run(provider.shutdown())
+""") % (STATE, CACHE)
+
+
+def clients_burst(script: str, address: str, target: str, image: str, n: int,
+                  clients: int) -> tuple:
+    """Start ``clients`` processes, let them go at one wall-clock moment, and return
+    (start, [(usable wall time, sandbox id)])."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, address, target, image,
+                               str(n // clients + (1 if i < n % clients else 0))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=str(ROOT)) for i in range(clients)]
+    try:
+        for p in procs:
+            while p.stdout.readline().strip() != "go":
+                pass
+        start = time.time() + 0.5
+        for p in procs:
+            p.stdin.write("%f\n" % start)
+            p.stdin.flush()
+        usable = []
+        for p in procs:
+            for line in p.stdout:
+                if line.startswith("usable "):
+                    usable += [tuple(u) for u in json.loads(line[7:])]
+                    break
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(300)
+        if len(usable) != n:
+            raise SystemExit("burst: %d of %d sandboxes usable" % (len(usable), n))
+        return start, usable
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+STAGES = (("queued", "requested", "creating"), ("created", "creating", "starting"),
+          ("started", "starting", "ready"), ("ready -> lent", "ready", "leased"))
+
+
+def stages(pool: str, usable: List[tuple]) -> Dict[str, float]:
+    """Median seconds per stage over the burst's sandboxes, from the pool's events."""
+    seen: Dict[str, Dict[str, float]] = {}
+    for when, sandbox_id, state, _ in ray.get(sandman.get_pool(pool).recent_events.remote(100000)):
+        seen.setdefault(sandbox_id, {}).setdefault(state, when)  # the first time
+    out = {}
+    for name, a, b in STAGES:
+        spans = [s[b] - s[a] for s in seen.values() if a in s and b in s]
+        if spans:
+            out[name] = pct(spans, 0.5)
+    lent = [t - seen[sid]["leased"] for t, sid in usable if "leased" in seen.get(sid, {})]
+    out["lent -> usable"] = pct(lent, 0.5)
+    return out
+
+
+def burst(n: int, clients: int, image: str) -> dict:
+    address = ray.get_runtime_context().gcs_address
+    out = {}
+    for kind in ("cold", "warm"):
+        pool = "bench-burst-%s-%s" % (kind, uuid.uuid4().hex[:6])
+        sandman.create_pool(pool, provider=provider(), warm={image: n} if kind == "warm" else {},
+                            max_sandboxes=n + 8)
+        try:
+            if kind == "warm":
+                wait_for(lambda: states(pool)["ready"] >= n, "%d warm sandboxes" % n)
+            start, usable = clients_burst(POOLED_CLIENT, address, pool, image, n, clients)
+            out[kind] = summary(start, usable)
+            out[kind]["stages_s"] = stages(pool, usable)
+        finally:
+            sandman.shutdown_pool(pool)
+    name = "bench-unpooled-" + uuid.uuid4().hex[:6]
+    start, usable = clients_burst(UNPOOLED_CLIENT, address, name, image, n, clients)
+    out["unpooled"] = summary(start, usable)
+    return out
+
+
+def summary(start: float, usable: List[tuple]) -> dict:
+    times = [t - start for t, _ in usable]
+    return {"usable_50_s": pct(times, 0.5), "usable_100_s": max(times), "n": len(times)}
+
+
+def states(pool: str) -> dict:
+    return ray.get(sandman.get_pool(pool).status.remote())["states"]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out waiting for %s" % what)
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------- reuse
+def reuse(episodes: int, k: int, image: str) -> dict:
+    pool = "bench-reuse-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=provider(), warm={image: k})
+    wait_for(lambda: states(pool)["ready"] >= k, "%d warm sandboxes" % k)
+    fresh = provider().bind("bench-fresh-" + uuid.uuid4().hex[:6])
+    spec = SandboxSpec(image=image)
+
+    async def pooled_episode():
+        sb = await sandman.acquire_async(image, pool=pool, timeout=120)
+        assert (await sb.exec.remote("true")).exit_code == 0
+        await sandman.release_async(sb)
+
+    async def fresh_episode():
+        sandbox_id = "fresh-" + uuid.uuid4().hex[:10]
+        info = await fresh.create(sandbox_id, spec, {})
+        client = await AsyncDaemonClient.connect(info.address, info.token)
+        assert (await client.exec("true")).exit_code == 0
+        client.close()
+        await fresh.delete(sandbox_id)
+
+    async def loop(episode) -> tuple:
+        per: List[float] = []
+
+        async def worker(count):
+            for _ in range(count):
+                t = time.perf_counter()
+                await episode()
+                per.append(time.perf_counter() - t)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(episodes // k) for _ in range(k)))
+        return time.perf_counter() - start, per
+    out = {}
+    try:
+        for name, episode in (("reset", pooled_episode), ("re-create", fresh_episode)):
+            wall, per = asyncio.run(loop(episode))
+            out[name] = {"episodes": len(per), "episodes_per_s": len(per) / wall,
+                         "p50_ms": pct(per, 0.5) * 1e3, "p99_ms": pct(per, 0.99) * 1e3}
+    finally:
+        sandman.shutdown_pool(pool)
+        asyncio.run(fresh.shutdown())
+    return out
+
+
+# ---------------------------------------------------------------------- cost
+def cpu_ticks() -> int:
+    with open("/proc/stat") as fh:
+        fields = [int(v) for v in fh.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def cost(image: str, count: int = 20) -> dict:
+    p = provider().bind("bench-cost-" + uuid.uuid4().hex[:6])
+    spec = SandboxSpec(image=image)
+
+    async def run():
+        await p.create("cost-warmup", spec, {})  # the agent, bundle and image first
+        await asyncio.sleep(1.0)
+        idle = cpu_ticks()
+        await asyncio.sleep(2.0)
+        idle_per_s = (cpu_ticks() - idle) / 2.0
+        start, t = cpu_ticks(), time.monotonic()
+        infos = await asyncio.gather(*(p.create("cost-%d" % i, spec, {}) for i in range(count)))
+        for info in infos:
+            client = await AsyncDaemonClient.connect(info.address, info.token)
+            await client.ping()
+            client.close()
+        busy = cpu_ticks() - start - idle_per_s * (time.monotonic() - t)
+        await asyncio.sleep(1.0)  # start-up settles before idle memory is read
+        pss = [pss_kb(info.details["pid"]) for info in infos]
+        return busy / os.sysconf("SC_CLK_TCK") / count, sum(pss) / len(pss)
+    pool = "bench-cost-pool-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=provider(), warm={image: 1})
+    try:
+        cpu_s, sandbox_kb = asyncio.run(run())
+        sb = sandman.acquire(image, pool=pool, timeout=120)
+        host_pid = ray.get(sb._host.__ray_call__.remote(lambda self: os.getpid()))
+        host_kb = pss_kb(host_pid)
+        sandman.release(sb)
+    finally:
+        sandman.shutdown_pool(pool)
+        asyncio.run(p.shutdown())
+    return {"cpu_ms_per_create": cpu_s * 1e3, "pss_mb_per_idle_sandbox": sandbox_kb / 1024,
+            "pss_mb_per_handle_host": host_kb / 1024}
+
+
+# ---------------------------------------------------------------------- the run
+def machine() -> dict:
+    model = ""
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as fh:
+        mem_kb = int(fh.readline().split()[1])
+    return {"cpus": os.cpu_count(), "cpu_model": model, "memory_gb": round(mem_kb / 2**20, 1),
+            "kernel": platform.release(), "os": _os_release(), "python": platform.python_version(),
+            "ray": ray.__version__}
+
+
+def _os_release() -> str:
+    try:
+        with open("/etc/os-release") as fh:
+            for line in fh:
+                if line.startswith("PRETTY_NAME="):
+                    return line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return ""
+
+
+def table(results: dict, args) -> List[tuple]:
+    rows = []
+    if "noop" in results:
+        rows += _noop_rows(results["noop"])
+    if "burst" in results:
+        rows += _burst_rows(results["burst"], args)
+    for name, row in results.get("reuse", {}).items():
+        rows.append(("reuse", "%s: %d episodes on %d sandboxes" % (name, row["episodes"], args.k),
+                     "%.1f episodes/s" % row["episodes_per_s"],
+                     "p50 %.1f ms, p99 %.1f ms" % (row["p50_ms"], row["p99_ms"])))
+    if "cost" in results:
+        c = results["cost"]
+        rows.append(("cost", "PSS per idle sandbox (daemon + bwrap)",
+                     "%.1f MB" % c["pss_mb_per_idle_sandbox"], ""))
+        rows.append(("cost", "PSS per handle host actor (one per client process and node)",
+                     "%.1f MB" % c["pss_mb_per_handle_host"], ""))
+        rows.append(("cost", "CPU per create (whole machine, idle subtracted)",
+                     "%.1f ms" % c["cpu_ms_per_create"], ""))
+    return rows
+
+
+def _noop_rows(noop: dict) -> List[tuple]:
+    rows = []
+    for name, row in noop.items():
+        if name != "ratios":
+            rows.append(("noop", name, "%.3f ms" % row["p50_ms"], "p99 %.3f ms" % row["p99_ms"]))
+    r = noop["ratios"]
+    rows.append(("noop", "exec true: public API / floor", "%.2fx" % r["exec / floor"],
+                 "target <= 1.25x"))
+    rows.append(("noop", "SWE-ReX execute / public API exec",
+                 "%.1fx" % r["SWE-ReX execute / exec"], "target >= 1.5x"))
+    rows.append(("noop", "SWE-ReX run_in_session / public API session",
+                 "%.1fx" % r["SWE-ReX run_in_session / session"], "target >= 50x"))
+    return rows
+
+
+def _burst_rows(b: dict, args) -> List[tuple]:
+    rows = []
+    for kind in ("cold", "warm", "unpooled"):
+        rows.append(("burst", "%s: %d from %d clients, 50 %% / 100 %% usable"
+                     % (kind, args.n, args.clients),
+                     "%.2f s / %.2f s" % (b[kind]["usable_50_s"], b[kind]["usable_100_s"]), ""))
+        if "stages_s" in b[kind]:
+            rows.append(("burst", "%s: median per stage" % kind, "", ", ".join(
+                "%s %.2f s" % kv for kv in b[kind]["stages_s"].items())))
+    for kind in ("cold", "warm"):
+        rows.append(("burst", "%s pool vs unpooled, 100 %% usable" % kind, "%.2fx sooner" % (
+            b["unpooled"]["usable_100_s"] / b[kind]["usable_100_s"]), ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="burst size")
+    parser.add_argument("--clients", type=int, default=4, help="burst client processes")
+    parser.add_argument("--samples", type=int, default=1000, help="no-op samples per row")
+    parser.add_argument("--episodes", type=int, default=200, help="reuse: episodes")
+    parser.add_argument("--k", type=int, default=4, help="reuse: sandboxes at a time")
+    parser.add_argument("--sections", default="noop,burst,reuse,cost")
+    args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    image = "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    started = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
+    results: Dict[str, dict] = {}
+    try:
+        if "noop" in sections:
+            results["noop"] = noop(args.samples)
+        if "burst" in sections:
+            results["burst"] = burst(args.n, args.clients, image)
+        if "reuse" in sections:
+            results["reuse"] = reuse(args.episodes, args.k, image)
+        if "cost" in sections:
+            results["cost"] = cost(image)
+        description = machine()
+    finally:
+        ray.shutdown()
+    report = {"bench": "run_all", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "machine": description, "args": vars(args),
+              "duration_s": round(time.monotonic() - started, 1), "results": results}
+    print("%-6s %-62s %-18s %s" % ("", "measure", "result", ""))
+    for section, name, value, note in table(results, args):
+        print("%-6s %-62s %-18s %s" % (section, name, value, note))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -152,12 +152,20 @@ def sandman_cmd(cluster, *args, timeout=120) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+@ray.remote(num_cpus=0)
+class Holder:
+    def hold(self, pool: str) -> str:
+        self.sandbox = sandman.acquire("host", pool=pool, timeout=120)
+        return self.sandbox.sandbox
+
+
 def test_status_list_events_and_gc_against_a_live_pool(cluster):
     # a watchdog that sweeps once an hour: what gc finds stays until gc deletes it
     pool = new_pool(sweep_interval_s=3600, lease_grace_s=1.0)
     kept = sandman.acquire("host", pool=pool, timeout=120)
-    lost = sandman.acquire("host", pool=pool, timeout=120)
-    kept_id, lost_id = ray.get(kept.sandbox_id.remote()), ray.get(lost.sandbox_id.remote())
+    holder = Holder.remote()  # another process, with its own handle host
+    lost_id = ray.get(holder.hold.remote(pool))
+    kept_id = ray.get(kept.sandbox_id.remote())
     try:
         status = sandman_cmd(cluster, "status", pool, "--json")
         assert status.returncode == 0, status.stderr
@@ -178,7 +186,7 @@ def test_status_list_events_and_gc_against_a_live_pool(cluster):
         assert mine[-3:] == ["starting", "ready", "leased"]
         assert any(e["reason"].startswith("lent to") for e in events)
 
-        ray.kill(lost)  # a holder that died: no live handle holds its sandbox now
+        ray.kill(holder)  # a holder that died: no live handle holds its sandbox now
         wait_until(lambda: lost_id in sandman_cmd(cluster, "gc", pool, "--dry-run").stdout,
                    timeout=30, what="gc to see the lost sandbox")
         dry = sandman_cmd(cluster, "gc", pool, "--dry-run").stdout

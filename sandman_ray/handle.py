@@ -20,6 +20,7 @@ end the old incarnation's leases.
 """
 
 import time
+import warnings
 import weakref
 from typing import Dict, Optional, Set
 
@@ -53,7 +54,8 @@ class _HandleHost:
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
         self.dropped: Set[str] = set()  # released before their bind finished
         self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        self.restarted = _reconstructed()
+        if self.restarted:
             self._tell_pools_of_restart()
 
     def _tell_pools_of_restart(self) -> None:
@@ -111,7 +113,7 @@ class _HandleHost:
         held = self.held.get(lease_id)
         if held is not None:
             return held
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if self.restarted:
             raise SandboxLost("lease %s: its handle host %s was restarted after its process "
                               "or Ray node died, and the sandbox is lost" % (lease_id, self.name))
         raise SandboxLost("lease %s is not held (released, reclaimed or lost)" % lease_id)
@@ -132,6 +134,14 @@ class _HandleHost:
                               % (lease.sandbox_id, exc, op)) from exc
         except CallTimeout as exc:
             raise ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc)) from exc
+
+
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (the property reads an API Ray deprecated
+    itself, which would print a warning in every host)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _forward(op: str):

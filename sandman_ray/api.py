@@ -29,12 +29,13 @@ def _caches_current() -> None:
     """Forget handles and pools of an earlier Ray session of this process (after
     ``ray.shutdown()`` and a new ``ray.init()`` they name actors that are gone)."""
     ctx = ray.get_runtime_context()
-    session = (ctx.gcs_address, ctx.get_node_id())
+    session = (ctx.gcs_address, ctx.get_node_id(), ctx.get_job_id())
     if _cached_for[0] != session:
         with _hosts_lock:
-            _hosts.clear()
-            _pools.clear()
-            _cached_for[0] = session
+            if _cached_for[0] != session:
+                _hosts.clear()
+                _pools.clear()
+                _cached_for[0] = session
 
 
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
@@ -144,7 +145,7 @@ def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.
         host = _host(lease.node_id)
         try:
             ray.get(host.bind.remote(lease))
-            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id)
+            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
         except BaseException as exc:
             _after_failed_bind(lease, host, exc, attempt, deadline)
 
@@ -170,7 +171,7 @@ async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout:
         host = _host(lease.node_id)
         try:
             await host.bind.remote(lease)
-            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id)
+            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
         except BaseException as exc:
             _after_failed_bind(lease, host, exc, attempt, deadline)
 
@@ -179,46 +180,53 @@ async def _lease_async(pool: str, spec: SpecLike, client: Optional[str], deadlin
     for attempt in range(POOL_RESTART_RETRIES + 1):
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            return await _request_lease(pool, spec, client, left)
+            return await asyncio.wait_for(_request_lease(pool, spec, client, left), left + 30)
+        except asyncio.TimeoutError:
+            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
         except BaseException as exc:
             await asyncio.sleep(_retry_after(exc, attempt, deadline))
 
 
 def _after_failed_bind(lease, host, exc: BaseException, attempt: int, deadline: float) -> None:
     """A host could not take ``lease``; returns to ask for another lease, else raises.
-    A host that died for good is replaced. A sandbox found gone (its node or agent just
-    died; the host gave the lease back) is replaced by another lease while the acquire
-    has time. A bind that was cancelled or interrupted gives the lease back (the host
-    may have taken it meanwhile)."""
+    A host that died for good is replaced and the lease given back to the pool. A
+    sandbox found gone (its node or agent just died; the host gave the lease back) is
+    replaced by another lease while the acquire has time. Otherwise (cancelled,
+    interrupted, or the pool failed during the bind) the host is asked to give the
+    lease back, whether or not it took it."""
     last = attempt + 1 >= BIND_ATTEMPTS or time.monotonic() >= deadline
-    if isinstance(exc, ray.exceptions.ActorDiedError):
+    if isinstance(exc, ray.exceptions.ActorDiedError) \
+            and not isinstance(exc, ray.exceptions.RayTaskError):  # the host, not the pool
         _forget_host(lease.node_id, host)
-        _pool_for(lease.pool).release.remote(lease.lease_id)  # no host will take it
-        if not last:
-            return
-    elif isinstance(exc, SandboxLost) and not last:
-        return
-    if not isinstance(exc, (SandmanError, ray.exceptions.RayActorError)):
-        host.release.remote(lease.lease_id)
-    raise exc
+        try:
+            get_pool(lease.pool).release.remote(lease.lease_id)
+        except SandmanError:
+            pass  # the pool is gone too
+    elif not isinstance(exc, SandboxLost):
+        host.release.remote(lease.lease_id, lease.pool)
+        raise exc
+    if last:
+        raise exc
 
 
 def release(handle: SandboxHandle) -> None:
     """End the lease; the sandbox is reset for the next user (or deleted). A handle
-    whose host is gone (its lease is reclaimed anyway) is released quietly."""
+    whose host died is released quietly: the pool reclaims the leases of a dead host."""
     handle._released()
     try:
-        ray.get(handle._host.release.remote(handle.lease_id))
-    except ray.exceptions.RayActorError:
-        pass
+        ray.get(handle._host.release.remote(handle.lease_id, handle.pool))
+    except ray.exceptions.RayActorError as exc:
+        if isinstance(exc, ray.exceptions.RayTaskError):  # raised in the host: the pool's
+            raise
 
 
 async def release_async(handle: SandboxHandle) -> None:
     handle._released()
     try:
-        await handle._host.release.remote(handle.lease_id)
-    except ray.exceptions.RayActorError:
-        pass
+        await handle._host.release.remote(handle.lease_id, handle.pool)
+    except ray.exceptions.RayActorError as exc:
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            raise
 
 
 def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:

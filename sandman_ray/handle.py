@@ -19,6 +19,7 @@ on it and raise SandboxLost instead of Ray's actor errors, and it tells the pool
 end the old incarnation's leases.
 """
 
+import asyncio
 import time
 import warnings
 import weakref
@@ -39,20 +40,26 @@ FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "se
 DESCRIBED = ("sandbox_id", "node_id")
 TOUCH_EVERY_S = 2.0  # how often a busy lease tells the pool it is in use
 HOST_RESTARTS = 3
+POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
 
 
 class _Held:
-    """One lease a host holds: its daemon connection and when the pool last heard."""
+    """One lease a host holds: its daemon connection, when the pool last heard, and
+    the calls in flight on it."""
 
     def __init__(self, lease, client: AsyncDaemonClient):
         self.lease, self.client, self.touched = lease, client, 0.0
+        self.calls = 0
+        self.quiet = asyncio.Event()  # set while no call is in flight
+        self.quiet.set()
 
 
 class _HandleHost:
     def __init__(self, name: str):
         self.name = name
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
-        self.dropped: Set[str] = set()  # released before their bind finished
+        self.binding: Set[str] = set()  # leases whose bind is under way
+        self.dropped: Set[str] = set()  # of those, the ones released meanwhile
         self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
         self.restarted = _reconstructed()
         if self.restarted:
@@ -64,7 +71,11 @@ class _HandleHost:
         prefix = pool_actor_name("")
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefix):
-                ray.get_actor(entry["name"], namespace=NAMESPACE).handle_restarted.remote(self.name)
+                try:
+                    pool = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                except ValueError:  # shut down meanwhile
+                    continue
+                pool.handle_restarted.remote(self.name)
 
     def _pool(self, pool: str):
         if pool not in self.pools:
@@ -72,34 +83,73 @@ class _HandleHost:
             self.pools[pool] = ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
         return self.pools[pool]
 
+    async def _tell_pool(self, pool: str, method: str, *args):
+        """A call to the pool, asked again while Ray restarts it (a release that is
+        lost would leave the lease held by this live host for good)."""
+        for attempt in range(POOL_CALL_ATTEMPTS):
+            try:
+                return await getattr(self._pool(pool), method).remote(*args)
+            except ray.exceptions.ActorUnavailableError:
+                if attempt + 1 == POOL_CALL_ATTEMPTS:
+                    raise
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+            except ray.exceptions.RayActorError:
+                self.pools.pop(pool, None)  # perhaps shut down and created again
+                raise
+
     async def bind(self, lease) -> str:
         """Take ``lease``: connect to its daemon and register with the pool (which
         confirms the lease is still open)."""
+        self.binding.add(lease.lease_id)
+        try:
+            return await self._bind(lease)
+        finally:
+            self.binding.discard(lease.lease_id)
+            self.dropped.discard(lease.lease_id)
+
+    async def _bind(self, lease) -> str:
         try:
             client = await AsyncDaemonClient.connect(lease.address, lease.token)
         except ConnectionLost as exc:
-            await self._pool(lease.pool).release.remote(lease.lease_id)
+            await self._tell_pool(lease.pool, "release", lease.lease_id)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
         self.held[lease.lease_id] = _Held(lease, client)
-        if not await self._pool(lease.pool).register.remote(lease.lease_id, self.name):
-            self.held.pop(lease.lease_id).client.close()
+        try:
+            taken = await self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
+        except BaseException:
+            self._forget(lease.lease_id)
+            raise
+        if not taken:
+            self._forget(lease.lease_id)
             raise SandboxLost("lease %s of sandbox %s ended before it was taken"
                               % (lease.lease_id, lease.sandbox_id))
         if lease.lease_id in self.dropped:  # the acquire gave up while this bind ran
-            self.dropped.discard(lease.lease_id)
-            await self.release(lease.lease_id)
+            await self.release(lease.lease_id, lease.pool)
             raise SandboxLost("lease %s was given back while it was being taken" % lease.lease_id)
         return self.name
 
-    async def release(self, lease_id: str) -> bool:
-        """End the lease (False: this host did not hold it)."""
+    def _forget(self, lease_id: str) -> Optional[_Held]:
         held = self.held.pop(lease_id, None)
+        if held is not None:
+            held.client.close()
+        return held
+
+    async def release(self, lease_id: str, pool: Optional[str] = None,
+                      after_calls: bool = False) -> bool:
+        """End the lease; False if this host did not hold it (it is still ended at
+        ``pool``: a restarted host held nothing). ``after_calls``: let the calls in
+        flight on it finish first (a handle dropped right after ``.remote()``)."""
+        held = self.held.get(lease_id)
+        if held is not None and after_calls:
+            await held.quiet.wait()
+        held = self._forget(lease_id)
         if held is None:
-            if len(self.dropped) < 10000:
-                self.dropped.add(lease_id)  # perhaps its bind is still under way
+            if lease_id in self.binding:
+                self.dropped.add(lease_id)  # its bind releases it once registered
+            elif pool is not None:
+                await self._tell_pool(pool, "release", lease_id)
             return False
-        held.client.close()
-        await self._pool(held.lease.pool).release.remote(lease_id)
+        await self._tell_pool(held.lease.pool, "release", lease_id)
         return True
 
     def node_id(self, lease_id: str) -> str:
@@ -124,6 +174,8 @@ class _HandleHost:
         if now - held.touched > TOUCH_EVERY_S:
             held.touched = now
             self._pool(lease.pool).touch.remote(lease_id)
+        held.calls += 1
+        held.quiet.clear()
         try:
             result = await getattr(held.client, op)(*args, **kwargs)
             handle_call_latency().observe(time.monotonic() - now,
@@ -134,6 +186,10 @@ class _HandleHost:
                               % (lease.sandbox_id, exc, op)) from exc
         except CallTimeout as exc:
             raise ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc)) from exc
+        finally:
+            held.calls -= 1
+            if held.calls == 0:
+                held.quiet.set()
 
 
 def _reconstructed() -> bool:
@@ -177,12 +233,14 @@ class SandboxHandle:
     and ``node_id``. Give it back with ``sandman_ray.release``."""
 
     def __init__(self, host, lease_id: str, sandbox_id: str, node_id: Optional[str],
-                 owned: bool = True):
-        self._host, self.lease_id = host, lease_id
+                 pool: str, owned: bool = True):
+        self._host, self.lease_id, self.pool = host, lease_id, pool
         self.sandbox, self.node = sandbox_id, node_id
         # the lease is released when this object is collected, unless it was passed on
-        self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id) \
-            if owned else None
+        self._finalizer = None
+        if owned:
+            self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id, pool)
+            self._finalizer.atexit = False  # at exit the host dies with this process
 
     def __getattr__(self, op: str):
         if op in FORWARDED or op in DESCRIBED:
@@ -193,7 +251,8 @@ class SandboxHandle:
         # passed to another process: it may use the lease after this object is gone
         if self._finalizer is not None:
             self._finalizer.detach()
-        return (SandboxHandle, (self._host, self.lease_id, self.sandbox, self.node, False))
+        return (SandboxHandle, (self._host, self.lease_id, self.sandbox, self.node, self.pool,
+                                False))
 
     def _released(self) -> None:
         if self._finalizer is not None:
@@ -203,11 +262,12 @@ class SandboxHandle:
         return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
 
 
-def _release_quietly(host, lease_id: str) -> None:
-    """A handle was dropped without ``release``: give its lease back, without waiting
-    (this runs in the garbage collector, perhaps while Ray shuts down)."""
+def _release_quietly(host, lease_id: str, pool: str) -> None:
+    """A handle was dropped without ``release``: give its lease back once the calls in
+    flight on it are answered, without waiting here (this runs in the garbage
+    collector)."""
     try:
         if ray.is_initialized():
-            host.release.remote(lease_id)
+            host.release.remote(lease_id, pool, True)
     except Exception:  # noqa: BLE001 - the owner's death or the watchdog reclaims it
         pass

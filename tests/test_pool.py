@@ -2,7 +2,9 @@
 owners that die, handles that are dropped, acquires that time out or are cancelled,
 a pool actor that is killed, a provider that throttles."""
 
+import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -75,6 +77,25 @@ def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image
             ray.get(second.exec.remote("true"))
         assert ray.get(third.exec.remote("true")).exit_code == 0
         sandman.release(third)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_a_handle_dropped_after_a_call_lets_the_call_finish_then_frees_the_lease(cluster, image):
+    pool = make_pool(warm={image: 1})
+    try:
+        # the handle is garbage as soon as .remote() returns
+        ref = sandman.acquire(image, pool=pool).exec.remote("sleep 0.5; echo done")
+        gc.collect()
+        assert ray.get(ref).stdout == b"done\n"
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=10, what="the lease freed")
+        kept = sandman.acquire(image, pool=pool)
+        passed_on = pickle.loads(pickle.dumps(kept))  # as when given to a task
+        del kept
+        gc.collect()
+        assert ray.get(passed_on.exec.remote("true")).exit_code == 0  # still leased
+        assert states(pool)["leased"] == 1
+        sandman.release(passed_on)
     finally:
         sandman.shutdown_pool(pool)
 
@@ -164,7 +185,7 @@ def test_dropped_handle_is_reclaimed(cluster, image):
         sb = sandman.acquire(image, pool=pool)
         assert ray.get(sb.exec.remote("true")).exit_code == 0
         assert states(pool)["leased"] == 1
-        del sb  # the last reference: Ray collects the handle actor
+        del sb  # the last reference: collected, the handle gives its lease back
         wait_until(lambda: states(pool)["leased"] == 0, timeout=5,
                    what="the forgotten handle's lease to be reclaimed")
     finally:

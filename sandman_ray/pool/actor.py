@@ -6,10 +6,10 @@ creates (paced by an adaptive token bucket and a cap on starts in flight), reset
 delete released sandboxes, delete surplus. State transitions happen only through
 ``Sandbox.to``; side effects only through the provider.
 
-The watchdog sweeps every ``sweep_interval_s``: a lease whose handle actor is gone
-(one ``list_named_actors`` call per sweep, never a reference to the handle, which would
-keep it alive), that never registered a handle within the grace, or that outlived its
-TTL or idle timeout, is reclaimed. Sandboxes on a Ray node that has died went with it:
+The watchdog sweeps every ``sweep_interval_s``: a lease whose handle host (the client's
+actor that registered it) is gone (one ``list_named_actors`` call per sweep, never a
+reference to the actor, which would keep it alive), that no host registered within the
+grace, or that outlived its TTL or idle timeout, is reclaimed. Sandboxes on a Ray node that has died went with it:
 the pool checks the nodes every ``NODE_CHECK_S``, forgets those sandboxes (ending their
 leases) and creates their warm capacity again on the nodes that are left.
 
@@ -161,9 +161,10 @@ class PoolActor:
     # ------------------------------------------------------------------ client calls
     async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
                     handle: Optional[str] = None) -> Lease:
-        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
-        ``handle`` names the actor that will hold it: its liveness is watched from the
-        moment the lease is lent, not only once the actor has started and registered."""
+        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``. The
+        client library's handle host registers the lease once it holds it. A caller
+        without such an actor may name ``handle``, an actor whose liveness is then
+        watched from the moment the lease is lent."""
         await self._ensure_started()
         spec = SandboxSpec.of(spec)
         loop = asyncio.get_running_loop()
@@ -195,6 +196,7 @@ class PoolActor:
         if rec is None:
             return False
         rec.handle, rec.handle_seen = handle, True
+        rec.registered_at = time.monotonic()
         rec.last_used = time.monotonic()
         self._persist(rec)
         return True
@@ -543,11 +545,12 @@ class PoolActor:
         leased = [r for r in self.records.values() if r.state is State.LEASED]
         if not leased:
             return
+        taken = time.monotonic()
         names = await asyncio.get_running_loop().run_in_executor(None, _live_handle_names)
         now = time.monotonic()
         for rec in leased:
-            if rec.state is not State.LEASED:
-                continue
+            if rec.state is not State.LEASED or rec.registered_at >= taken:
+                continue  # ended meanwhile, or registered by a host the list may predate
             why = self._orphaned(rec, names, now) or self._expired(rec, now)
             if why:
                 self.stats["reclaimed"] += 1

@@ -73,6 +73,7 @@ class Sandbox:
     client: Optional[str] = None
     handle: Optional[str] = None   # the actor name of the handle holding the lease
     handle_seen: bool = False      # that actor has been seen alive (else: the grace runs)
+    registered_at: float = 0.0     # when a handle registered the lease (monotonic)
     leased_at: float = 0.0
     last_used: float = 0.0
     attempts: int = 0

@@ -56,15 +56,21 @@ def sandbox_processes(state_dir: str, unless: bytes = b""):
 
 
 def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
-    for pid in sandbox_processes(state_dir):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    # Not our children: poll until they are gone (exited processes have an empty
-    # command line even before their parent reaps them).
+    # Killed again on every round: a launch that was under way when the agent died
+    # can still fork after a scan (bwrap's child in the new pid namespace appears after
+    # bwrap itself), and such a child was once found alive after a fault trial, bwrap
+    # gone. Not our children: exited processes have an empty command line even before
+    # their parent reaps them.
     deadline = time.monotonic() + wait_s
-    while sandbox_processes(state_dir) and time.monotonic() < deadline:
+    while True:
+        pids = sandbox_processes(state_dir)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if not pids or time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
     shutil.rmtree(state_dir, ignore_errors=True)
     shutil.rmtree(state_dir + ".trash", ignore_errors=True)

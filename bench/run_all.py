@@ -48,7 +48,7 @@ from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local import pss_kb  # noqa: E402  (bench/local.py)
+from local import create_and_exec, pss_kb  # noqa: E402  (bench/local.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = "/tmp/sandman-ray/bench-all"
@@ -210,8 +210,9 @@ POOLED_CLIENT = textwrap.dedent("""
         sandman.release(h)
 """)
 UNPOOLED_CLIENT = textwrap.dedent("""
-    import asyncio, json, sys, time, uuid, ray
-    from sandman_ray import AsyncDaemonClient
+    import asyncio, json, sys, time, ray
+    sys.path.insert(0, "bench")
+    from local import create_and_exec
     from sandman_ray.providers.local import LocalProvider
     from sandman_ray.spec import SandboxSpec
     ray.init(address=sys.argv[1], namespace="sandman-bench", log_to_driver=False)
@@ -221,11 +222,7 @@ UNPOOLED_CLIENT = textwrap.dedent("""
     print("go", flush=True)
     start = float(sys.stdin.readline())
     async def one():
-        sandbox_id = "unpooled-" + uuid.uuid4().hex[:10]
-        info = await provider.create(sandbox_id, spec, {})
-        client = await AsyncDaemonClient.connect(info.address, info.token)
-        assert (await client.exec("true")).exit_code == 0
-        client.close()
+        sandbox_id, _, _ = await create_and_exec(provider, spec)
         return time.time(), sandbox_id
     async def main():
         while time.time() < start:
@@ -350,11 +347,7 @@ def reuse(episodes: int, k: int, image: str) -> dict:
         await sandman.release_async(sb)
 
     async def fresh_episode():
-        sandbox_id = "fresh-" + uuid.uuid4().hex[:10]
-        info = await fresh.create(sandbox_id, spec, {})
-        client = await AsyncDaemonClient.connect(info.address, info.token)
-        assert (await client.exec("true")).exit_code == 0
-        client.close()
+        sandbox_id, _, _ = await create_and_exec(fresh, spec)
         await fresh.delete(sandbox_id)
 
     async def loop(episode) -> tuple:

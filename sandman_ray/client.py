@@ -390,9 +390,10 @@ class DaemonClient(_Operations):
         self._ids = itertools.count(1)
         self._reader = FrameReader(MAX_FRAME)
         self._frames: List[bytes] = []
-        # one receive buffer for the connection's life: a fresh 1 MiB bytes object per
-        # recv costs an allocation (and page faults) on every reply
-        self._recv_buf = bytearray(1 << 20)
+        # one receive buffer for the connection's life: a fresh bytes object per recv
+        # costs an allocation (and page faults) on every reply. 64 KiB: a handle host
+        # keeps a few connections per lease; larger replies arrive over several recvs
+        self._recv_buf = bytearray(1 << 16)
         self._recv_view = memoryview(self._recv_buf)
         self._timeout: Optional[float] = connect_timeout
         family, where = _parse_address(address)
@@ -412,6 +413,14 @@ class DaemonClient(_Operations):
 
     def close(self) -> None:
         self._sock.close()
+
+    def abort(self) -> None:
+        """Cut the connection from another thread: a call waiting on it raises
+        ConnectionLost at once, and the daemon stops what the call started."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
 
     def __enter__(self) -> "DaemonClient":
         return self
@@ -441,6 +450,7 @@ class DaemonClient(_Operations):
             fields["id"] = rid
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
+                self._set_timeout(None)  # a call that timed out left its short timeout
                 self._sock.sendall(encode_frame(fields))
                 while True:
                     reply = self._next_frame(deadline, op, rid)

@@ -3,15 +3,20 @@
 A client process uses its sandboxes through one ``HandleHost`` actor per Ray node (the
 daemons' unix sockets are on their nodes). The host is created by the client, so owned
 by it: it dies with its owner (driver, worker or actor), and the pool's watchdog then
-sees its name gone and reclaims every lease it held. It uses ``num_cpus=0`` and one
-asyncio connection per sandbox with many requests in flight. One host per process and
-node, instead of an actor per lease, means a burst of leases starts no actor process
-once a client has a host on each node (a Ray actor costs ~0.35 s of CPU and ~55 MB).
+sees its name gone and reclaims every lease it held. It uses ``num_cpus=0`` and is a
+threaded actor: each call is a blocking request to the daemon on a connection of its
+own (a lease keeps a few open), so calls on one sandbox still run side by side. One
+host per process and node, instead of an actor per lease, means a burst of leases
+starts no actor process once a client has a host on each node (a Ray actor costs
+~0.35 s of CPU and ~55 MB).
 
 A ``SandboxHandle`` names one lease on one host and reads like an actor handle:
 ``ray.get(sb.exec.remote("ls"))``, ``await sb.run.remote("cd /tmp")``. It pickles, so
 it can be passed to tasks and actors. When the handle is garbage collected in the
-process that acquired it, and was never passed on, its lease is released.
+process that acquired it, and was never passed on, its lease is released once the
+calls it sent are answered. As on any Ray actor that runs calls side by side, calls
+on one handle that are in flight together may run in either order: wait for the result
+of one that a later call depends on (``cd`` before ``pwd`` in a session).
 
 Ray restarts a host whose process or node died (not one whose owner died or that was
 killed). The new incarnation holds no lease: calls in flight or queued then are retried
@@ -19,16 +24,16 @@ on it and raise SandboxLost instead of Ray's actor errors, and it tells the pool
 end the old incarnation's leases.
 """
 
-import asyncio
+import threading
 import time
 import warnings
 import weakref
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import ray
 
-from sandman_ray.client import AsyncDaemonClient
-from sandman_ray.errors import CallTimeout, ConnectionLost, ExecTimeout, SandboxLost
+from sandman_ray.client import DaemonClient
+from sandman_ray.errors import CallTimeout, ConnectionLost, DaemonError, ExecTimeout, SandboxLost
 from sandman_ray.pool.metrics import handle_call_latency
 
 # The daemon operations a handle forwards (see sandman_ray.client for their arguments).
@@ -41,22 +46,38 @@ DESCRIBED = ("sandbox_id", "node_id")
 TOUCH_EVERY_S = 2.0  # how often a busy lease tells the pool it is in use
 HOST_RESTARTS = 3
 POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
+# A host is a threaded actor: each call is a blocking daemon request on a thread of its
+# own, since an asyncio actor costs Ray ~1.1-1.5 ms more per call on a 2-vCPU VM (a
+# bare async actor call against a bare sync one, measured side by side). Calls past
+# this many in flight in one host wait in Ray's queue. Ray starts all the threads with
+# the actor (~73 KB of memory each).
+HOST_THREADS = 256
+# bind, release and the questions about a lease have threads of their own: a host whose
+# call threads all wait on long commands still takes and gives back leases
+CONTROL_THREADS = 16
+IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
+RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 
 
 class _Held:
-    """One lease a host holds: its daemon connection, when the pool last heard, and
-    the calls in flight on it."""
+    """One lease a host holds: idle daemon connections (a call takes one, or opens a
+    new one when all are busy, and gives it back), those in use, when the pool last
+    heard, and the calls started and in flight. Guarded by the host's lock."""
 
-    def __init__(self, lease, client: AsyncDaemonClient):
-        self.lease, self.client, self.touched = lease, client, 0.0
-        self.calls = 0
-        self.quiet = asyncio.Event()  # set while no call is in flight
-        self.quiet.set()
+    def __init__(self, lease, client: DaemonClient, lock: threading.Lock):
+        self.lease, self.touched = lease, 0.0
+        self.idle: List[DaemonClient] = [client]
+        self.busy: Set[DaemonClient] = set()
+        self.started = 0  # calls begun on this host
+        self.calls = 0  # of those, the ones in flight
+        self.release_after: Optional[int] = None  # release once this many have ended
+        self.ended = False  # released: connections in use are closed when they return
 
 
 class _HandleHost:
     def __init__(self, name: str):
         self.name = name
+        self.lock = threading.Lock()
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
         self.binding: Set[str] = set()  # leases whose bind is under way
         self.dropped: Set[str] = set()  # of those, the ones released meanwhile
@@ -78,83 +99,126 @@ class _HandleHost:
                 pool.handle_restarted.remote(self.name)
 
     def _pool(self, pool: str):
-        if pool not in self.pools:
+        handle = self.pools.get(pool)
+        if handle is None:
             from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
-            self.pools[pool] = ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
-        return self.pools[pool]
+            handle = self.pools[pool] = ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
+        return handle
 
-    async def _tell_pool(self, pool: str, method: str, *args):
+    def _tell_pool(self, pool: str, method: str, *args):
         """A call to the pool, asked again while Ray restarts it (a release that is
         lost would leave the lease held by this live host for good)."""
         for attempt in range(POOL_CALL_ATTEMPTS):
             try:
-                return await getattr(self._pool(pool), method).remote(*args)
+                return ray.get(getattr(self._pool(pool), method).remote(*args))
             except ray.exceptions.ActorUnavailableError:
                 if attempt + 1 == POOL_CALL_ATTEMPTS:
                     raise
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                time.sleep(min(0.05 * 2 ** attempt, 1.0))  # back off while it restarts
             except ray.exceptions.RayActorError:
                 self.pools.pop(pool, None)  # perhaps shut down and created again
                 raise
 
-    async def bind(self, lease) -> str:
+    @ray.method(concurrency_group="control")
+    def bind(self, lease) -> str:
         """Take ``lease``: connect to its daemon and register with the pool (which
         confirms the lease is still open)."""
-        self.binding.add(lease.lease_id)
+        with self.lock:
+            self.binding.add(lease.lease_id)
         try:
-            return await self._bind(lease)
+            return self._bind(lease)
         finally:
-            self.binding.discard(lease.lease_id)
-            self.dropped.discard(lease.lease_id)
+            with self.lock:
+                self.binding.discard(lease.lease_id)
+                self.dropped.discard(lease.lease_id)
 
-    async def _bind(self, lease) -> str:
+    def _bind(self, lease) -> str:
         try:
-            client = await AsyncDaemonClient.connect(lease.address, lease.token)
+            client = DaemonClient(lease.address, lease.token)
         except ConnectionLost as exc:
-            await self._tell_pool(lease.pool, "release", lease.lease_id)
+            self._tell_pool(lease.pool, "release", lease.lease_id)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
-        self.held[lease.lease_id] = _Held(lease, client)
+        with self.lock:
+            self.held[lease.lease_id] = _Held(lease, client, self.lock)
         try:
-            taken = await self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
+            taken = self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
         except BaseException:
-            self._forget(lease.lease_id)
+            self._end(self._forget(lease.lease_id))
             raise
         if not taken:
-            self._forget(lease.lease_id)
+            self._end(self._forget(lease.lease_id))
             raise SandboxLost("lease %s of sandbox %s ended before it was taken"
                               % (lease.lease_id, lease.sandbox_id))
-        if lease.lease_id in self.dropped:  # the acquire gave up while this bind ran
-            await self.release(lease.lease_id, lease.pool)
+        with self.lock:
+            dropped = lease.lease_id in self.dropped
+        if dropped:  # the acquire gave up while this bind ran
+            self.release(lease.lease_id, lease.pool)
             raise SandboxLost("lease %s was given back while it was being taken" % lease.lease_id)
         return self.name
 
     def _forget(self, lease_id: str) -> Optional[_Held]:
+        with self.lock:
+            return self._take(lease_id)
+
+    def _take(self, lease_id: str) -> Optional[_Held]:
+        """Stop holding ``lease_id`` (the caller holds the lock)."""
         held = self.held.pop(lease_id, None)
         if held is not None:
-            held.client.close()
+            held.ended = True
         return held
 
-    async def release(self, lease_id: str, pool: Optional[str] = None,
-                      after_calls: bool = False) -> bool:
-        """End the lease; False if this host did not hold it (it is still ended at
-        ``pool``: a restarted host held nothing). ``after_calls``: let the calls in
-        flight on it finish first (a handle dropped right after ``.remote()``)."""
-        held = self.held.get(lease_id)
-        if held is not None and after_calls:
-            await held.quiet.wait()
-        held = self._forget(lease_id)
+    def _end(self, held: Optional[_Held]) -> None:
+        """Close what a lease that is no longer held kept open: idle connections now,
+        and those in use are cut, so their calls end (the daemon stops their commands)."""
         if held is None:
-            if lease_id in self.binding:
+            return
+        with self.lock:
+            idle, held.idle = held.idle, []
+            busy = list(held.busy)
+        for client in idle:
+            client.close()
+        for client in busy:
+            client.abort()
+
+    @ray.method(concurrency_group="control")
+    def release(self, lease_id: str, pool: Optional[str] = None,
+                after_calls: Optional[int] = None) -> bool:
+        """End the lease; False if this host did not hold it (it is still ended at
+        ``pool``: a restarted host held nothing). ``after_calls``: end it once that
+        many calls on it have begun and all have finished (a handle dropped right after
+        ``.remote()``), or after RELEASE_WAIT_S if some never arrive."""
+        with self.lock:
+            held = self.held.get(lease_id)
+            if held is not None and after_calls is not None and (
+                    held.started < after_calls or held.calls):
+                held.release_after = after_calls  # the last call to end releases it
+                timer = threading.Timer(RELEASE_WAIT_S, self._release_late, (lease_id,))
+                timer.daemon = True
+                timer.start()
+                return True
+            held = self._take(lease_id)
+            binding = held is None and lease_id in self.binding
+            if binding:
                 self.dropped.add(lease_id)  # its bind releases it once registered
-            elif pool is not None:
-                await self._tell_pool(pool, "release", lease_id)
+        if held is None:
+            if not binding and pool is not None:
+                self._tell_pool(pool, "release", lease_id)
             return False
-        await self._tell_pool(held.lease.pool, "release", lease_id)
+        self._end(held)
+        self._tell_pool(held.lease.pool, "release", lease_id)
         return True
 
+    def _release_late(self, lease_id: str) -> None:
+        try:
+            self.release(lease_id)
+        except Exception:  # noqa: BLE001 - the owner's death or the watchdog reclaims it
+            pass
+
+    @ray.method(concurrency_group="control")
     def node_id(self, lease_id: str) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    @ray.method(concurrency_group="control")
     def sandbox_id(self, lease_id: str) -> Optional[str]:
         held = self.held.get(lease_id)
         return held.lease.sandbox_id if held else None
@@ -168,16 +232,31 @@ class _HandleHost:
                               "or Ray node died, and the sandbox is lost" % (lease_id, self.name))
         raise SandboxLost("lease %s is not held (released, reclaimed or lost)" % lease_id)
 
-    async def _call(self, lease_id: str, op: str, args, kwargs):
-        held = self._holding(lease_id)
-        lease, now = held.lease, time.monotonic()
-        if now - held.touched > TOUCH_EVERY_S:
-            held.touched = now
-            self._pool(lease.pool).touch.remote(lease_id)
-        held.calls += 1
-        held.quiet.clear()
+    def _call(self, lease_id: str, op: str, args, kwargs):
+        now = time.monotonic()
+        with self.lock:
+            held = self._holding(lease_id)
+            held.started += 1
+            held.calls += 1
+            client = held.idle.pop() if held.idle else None
+            if client is not None:
+                held.busy.add(client)
+            touch = now - held.touched > TOUCH_EVERY_S
+            if touch:
+                held.touched = now
+        lease = held.lease
+        reuse = False
         try:
-            result = await getattr(held.client, op)(*args, **kwargs)
+            if touch:
+                self._pool(lease.pool).touch.remote(lease_id)
+            if client is None:  # every connection of this lease is busy: one more
+                client = DaemonClient(lease.address, lease.token)
+                with self.lock:
+                    held.busy.add(client)
+                    if held.ended:  # released while it connected
+                        client.abort()
+            result = getattr(client, op)(*args, **kwargs)
+            reuse = True
             handle_call_latency().observe(time.monotonic() - now,
                                           tags={"pool": lease.pool, "op": op})
             return result
@@ -185,11 +264,25 @@ class _HandleHost:
             raise SandboxLost("sandbox %s is gone (%s during %s)"
                               % (lease.sandbox_id, exc, op)) from exc
         except CallTimeout as exc:
+            reuse = True  # the late reply is skipped by the next call on it
             raise ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc)) from exc
+        except DaemonError:
+            reuse = True  # an answer: the connection is as good as before
+            raise
         finally:
-            held.calls -= 1
-            if held.calls == 0:
-                held.quiet.set()
+            with self.lock:
+                held.calls -= 1
+                if client is not None:
+                    held.busy.discard(client)
+                    if reuse and not held.ended and len(held.idle) < IDLE_CONNECTIONS:
+                        held.idle.append(client)
+                        client = None
+                release = (held.release_after is not None and not held.ended
+                           and held.calls == 0 and held.started >= held.release_after)
+            if client is not None:
+                client.close()
+            if release:
+                self.release(lease_id)
 
 
 def _reconstructed() -> bool:
@@ -201,8 +294,8 @@ def _reconstructed() -> bool:
 
 
 def _forward(op: str):
-    async def method(self, lease_id: str, *args, **kwargs):
-        return await self._call(lease_id, op, args, kwargs)
+    def method(self, lease_id: str, *args, **kwargs):
+        return self._call(lease_id, op, args, kwargs)
     method.__name__ = op
     method.__doc__ = "Forwarded to the daemon: see DaemonClient.%s." % op
     return method
@@ -212,7 +305,8 @@ for _op in FORWARDED:
     setattr(_HandleHost, _op, _forward(_op))
 
 HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries=-1,
-                        max_concurrency=10000)(_HandleHost)
+                        max_concurrency=HOST_THREADS,
+                        concurrency_groups={"control": CONTROL_THREADS})(_HandleHost)
 
 
 class _Method:
@@ -224,7 +318,20 @@ class _Method:
         self.handle, self.op = handle, op
 
     def remote(self, *args, **kwargs):
-        return getattr(self.handle._host, self.op).remote(self.handle.lease_id, *args, **kwargs)
+        handle = self.handle
+        with handle._sent.lock:
+            handle._sent.count += 1
+        return getattr(handle._host, self.op).remote(handle.lease_id, *args, **kwargs)
+
+
+class _Sent:
+    """How many calls a handle has sent (its finalizer reads it)."""
+
+    __slots__ = ("count", "lock")
+
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
 
 
 class SandboxHandle:
@@ -236,10 +343,12 @@ class SandboxHandle:
                  pool: str, owned: bool = True):
         self._host, self.lease_id, self.pool = host, lease_id, pool
         self.sandbox, self.node = sandbox_id, node_id
+        self._sent = _Sent()
         # the lease is released when this object is collected, unless it was passed on
         self._finalizer = None
         if owned:
-            self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id, pool)
+            self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id, pool,
+                                               self._sent)
             self._finalizer.atexit = False  # at exit the host dies with this process
 
     def __getattr__(self, op: str):
@@ -262,12 +371,11 @@ class SandboxHandle:
         return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
 
 
-def _release_quietly(host, lease_id: str, pool: str) -> None:
-    """A handle was dropped without ``release``: give its lease back once the calls in
-    flight on it are answered, without waiting here (this runs in the garbage
-    collector)."""
+def _release_quietly(host, lease_id: str, pool: str, sent: _Sent) -> None:
+    """A handle was dropped without ``release``: give its lease back once the calls it
+    sent are answered, without waiting here (this runs in the garbage collector)."""
     try:
         if ray.is_initialized():
-            host.release.remote(lease_id, pool, True)
+            host.release.remote(lease_id, pool, sent.count)
     except Exception:  # noqa: BLE001 - the owner's death or the watchdog reclaims it
         pass

@@ -89,6 +89,13 @@ def test_a_handle_dropped_after_a_call_lets_the_call_finish_then_frees_the_lease
         gc.collect()
         assert ray.get(ref).stdout == b"done\n"
         wait_until(lambda: states(pool)["leased"] == 0, timeout=10, what="the lease freed")
+        # several calls, the last one quick: the lease waits for all of them
+        sb = sandman.acquire(image, pool=pool)
+        refs = [sb.exec.remote("sleep 0.%d; echo %d" % (5 - i, i)) for i in range(4)]
+        del sb
+        gc.collect()
+        assert [r.stdout for r in ray.get(refs)] == [b"%d\n" % i for i in range(4)]
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=10, what="the lease freed")
         kept = sandman.acquire(image, pool=pool)
         passed_on = pickle.loads(pickle.dumps(kept))  # as when given to a task
         del kept
@@ -96,6 +103,20 @@ def test_a_handle_dropped_after_a_call_lets_the_call_finish_then_frees_the_lease
         assert ray.get(passed_on.exec.remote("true")).exit_code == 0  # still leased
         assert states(pool)["leased"] == 1
         sandman.release(passed_on)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_release_cuts_off_the_calls_in_flight(cluster, image):
+    pool = make_pool(warm={image: 1})
+    try:
+        sb = sandman.acquire(image, pool=pool)
+        ref = sb.exec.remote("sleep 60")
+        wait_until(lambda: b"sleep 60" in ray.get(sb.exec.remote("ps")).stdout,
+                   timeout=10, what="the command to start")
+        sandman.release(sb)
+        with pytest.raises(sandman.SandboxLost):
+            ray.get(ref, timeout=20)  # not after the command's 60 s
     finally:
         sandman.shutdown_pool(pool)
 

@@ -54,7 +54,7 @@ POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
 HOST_THREADS = 256
 # bind, release and the questions about a lease have threads of their own: a host whose
 # call threads all wait on long commands still takes and gives back leases
-CONTROL_THREADS = 16
+CONTROL_THREADS = 64
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 

@@ -1210,6 +1210,7 @@ class Daemon:
         self.path = self.env["PATH"]
         os.environ["PATH"] = self.path  # what posix_spawnp searches
         self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # see _refuse_one
         self.loop = None
         self.children = None
         self.sessions = {}
@@ -1295,12 +1296,41 @@ class Daemon:
                 fd, _ = self.server._accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                return  # out of fds, or the client already left
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._refuse_one():
+                    continue
+                return  # the client already left, or no one is waiting
             sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
             if self.tcp:
                 sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
             Connection(self, sock)
+
+    def _refuse_one(self):
+        """Out of fds: accept one waiting connection on the fd kept spare for this, tell
+        it why and close it; whether there was one (accept fails with EMFILE whether or
+        not a connection waits). The client learns at once instead of at its hello
+        timeout, and the listening socket, left readable, would wake the loop without
+        end."""
+        if self.spare_fd is None:
+            return False
+        os.close(self.spare_fd)
+        self.spare_fd = None
+        try:
+            fd, _ = self.server._accept()
+        except OSError:
+            fd = None
+        if fd is not None:
+            sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
+            try:
+                sock.setblocking(False)
+                sock.send(encode_frame({"id": None, "ok": False, "error": {
+                    "type": "LimitExceeded", "message": "the daemon is out of file "
+                    "descriptors (%d connections open)" % len(self.connections)}}))
+            except OSError:
+                pass
+            sock.close()
+        self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return fd is not None
 
     def _drop_privileges(self):
         uid, gid = self.user

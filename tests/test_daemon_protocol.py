@@ -2,16 +2,19 @@
 connection, and the daemon keeps serving everyone else."""
 
 import asyncio
+import os
 import socket
 import struct
+import sys
 import time
 
 import msgpack
 import pytest
 
-from sandman_ray import AsyncDaemonClient, AuthError, ConnectionLost, DaemonClient, DaemonError
+from sandman_ray import (AsyncDaemonClient, AuthError, ConnectionLost, DaemonClient, DaemonError,
+                         ProtocolError)
 from sandman_ray.daemon.sandmand import MAX_FRAME, encode_frame
-from conftest import DaemonProcess, TOKEN
+from conftest import DaemonProcess, TOKEN, wait_until
 
 
 def raw_socket(daemon, hello=True):
@@ -162,6 +165,11 @@ def test_client_side_timeout_and_connection_loss_are_typed(tmp_path):
         with pytest.raises(CallTimeout):
             c._call("exec", {"cmd": "sleep 5"}, timeout=0.2)
         assert c.exec("echo next").stdout == b"next\n"  # the late reply is skipped
+        with pytest.raises(CallTimeout):
+            c._call("exec", {"cmd": "sleep 5"}, timeout=0.05)
+        # a frame larger than the socket buffer, sent right after a timeout
+        c.write_file(str(tmp_path / "big"), b"x" * (8 << 20))
+        assert (tmp_path / "big").stat().st_size == 8 << 20
         d.proc.kill()
         d.proc.wait()
         with pytest.raises(ConnectionLost):
@@ -193,4 +201,45 @@ def test_sigterm_stops_the_daemon_and_its_children(tmp_path):
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(10) == 0
     assert processes_matching("sleep 63.75") == []
+    d.stop()
+
+
+def _cpu_seconds(pid):
+    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_file_descriptors_refuses_at_once_and_does_not_spin(tmp_path):
+    """Connections past the daemon's fd limit (64 here) are told why and closed, the
+    daemon does not busy-loop on its listening socket, and it serves again once
+    connections close."""
+    d = DaemonProcess("unix:%s/f.sock" % tmp_path, python="prlimit",
+                      python_flags=("--nofile=64:64", sys.executable))
+    path = d.address[len("unix:"):]
+    held = []
+    try:
+        for _ in range(100):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            held.append(s)
+        used = _cpu_seconds(d.pid)
+        time.sleep(1.0)  # an idle second: a loop woken by the listening socket would spin
+        assert _cpu_seconds(d.pid) - used < 0.5
+        start = time.monotonic()
+        with pytest.raises((ProtocolError, ConnectionLost)) as refused:
+            d.client()
+        assert time.monotonic() - start < 5  # not the 10 s hello timeout
+        if refused.type is ProtocolError:  # else the refusal beat the hello's send
+            assert "out of file descriptors" in str(refused.value)
+    finally:
+        for s in held:
+            s.close()
+
+    def serves():
+        try:
+            with d.client() as c:
+                return c.exec("true").exit_code == 0
+        except (ProtocolError, ConnectionLost):
+            return False  # it has not seen every closed connection yet
+    wait_until(serves, timeout=10, what="the daemon to serve again")
     d.stop()

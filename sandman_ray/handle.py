@@ -319,8 +319,9 @@ class _Method:
 
     def remote(self, *args, **kwargs):
         handle = self.handle
-        with handle._sent.lock:
-            handle._sent.count += 1
+        if self.op in FORWARDED:  # the calls the host counts as begun (_call)
+            with handle._sent.lock:
+                handle._sent.count += 1
         return getattr(handle._host, self.op).remote(handle.lease_id, *args, **kwargs)
 
 

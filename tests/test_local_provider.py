@@ -152,6 +152,22 @@ def test_reset_drops_writes_and_processes(provider, images):
         assert sb.client.exec("echo again").stdout == b"again\n"
 
 
+def test_delete_kills_what_is_left_in_the_sandbox_cgroup(provider, images):
+    """A process still in the sandbox's cgroup when bwrap is gone (as a daemon whose
+    bwrap died first once was) is killed when the sandbox is removed."""
+    stray = subprocess.Popen(["sleep", "83.5"])
+    try:
+        with Sandbox(provider, SandboxSpec(image=images["dir"], pids=64)) as sb:
+            groups = list(Path("/sys/fs/cgroup/pids/sandman").glob("*/%s" % sb.id))
+            assert len(groups) == 1, "the sandbox has a pids cgroup"
+            (groups[0] / "cgroup.procs").write_text(str(stray.pid))
+        assert stray.wait(10) == -9
+        assert not groups[0].exists()
+    finally:
+        stray.kill()
+        stray.wait()
+
+
 def test_create_is_idempotent_under_retries(provider, images):
     sandbox_id = new_id()
 

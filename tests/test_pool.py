@@ -89,8 +89,10 @@ def test_a_handle_dropped_after_a_call_lets_the_call_finish_then_frees_the_lease
         gc.collect()
         assert ray.get(ref).stdout == b"done\n"
         wait_until(lambda: states(pool)["leased"] == 0, timeout=10, what="the lease freed")
-        # several calls, the last one quick: the lease waits for all of them
+        # several calls, the last one quick: the lease waits for all of them (and not
+        # for the questions about the handle, which are no daemon calls)
         sb = sandman.acquire(image, pool=pool)
+        assert ray.get(sb.sandbox_id.remote()) == sb.sandbox
         refs = [sb.exec.remote("sleep 0.%d; echo %d" % (5 - i, i)) for i in range(4)]
         del sb
         gc.collect()

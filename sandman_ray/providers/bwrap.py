@@ -132,6 +132,15 @@ class Cgroups:
     def procs_files(self) -> List[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
+    def kill_members(self) -> None:
+        """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
+        namespace with its init (the daemon, ``--as-pid-1``), and the daemon dies with
+        bwrap only through bwrap's parent-death signal: one daemon was once found alive
+        with its bwrap gone after a test run."""
+        from sandman_ray.providers.janitor import kill_listed
+        for procs in self.procs_files():
+            kill_listed(procs)
+
     def remove(self) -> None:
         """Remove the leaf groups (their processes must be gone). Blocking: agents call
         it on a worker thread (``SandboxProcess.remove`` through ``run_in_executor``)."""
@@ -403,6 +412,8 @@ class SandboxProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+        if self.cgroups is not None:
+            self.cgroups.kill_members()
         if self.proc.stderr:
             self.proc.stderr.close()
         if self.ready_fd is not None:

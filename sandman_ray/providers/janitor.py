@@ -16,6 +16,7 @@ containers that carry that label (the agent's incarnation): containers do not di
 with the process that created them.
 """
 
+import errno
 import os
 import shutil
 import signal
@@ -84,14 +85,31 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
     for group in cgroup_dirs:
         if not os.path.isdir(group):
             continue
-        for leaf in os.listdir(group):
-            try:
-                os.rmdir(os.path.join(group, leaf))
-            except OSError:
-                pass
+        leaves = [os.path.join(group, leaf) for leaf in os.listdir(group)]
+        for leaf in leaves:  # a daemon whose bwrap died without taking it along
+            kill_listed(os.path.join(leaf, "cgroup.procs"))
+        for leaf in leaves + [group]:
+            for _ in range(50):
+                try:
+                    os.rmdir(leaf)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        break
+                    time.sleep(0.01)  # the killed are still being reaped by the kernel
+
+
+def kill_listed(procs_file: str) -> None:
+    """SIGKILL every pid a cgroup.procs file lists (a missing file lists none)."""
+    try:
+        with open(procs_file) as fh:
+            pids = fh.read().split()
+    except OSError:
+        return
+    for pid in pids:
         try:
-            os.rmdir(group)
-        except OSError:
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
             pass
 
 

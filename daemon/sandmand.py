@@ -1008,14 +1008,10 @@ def _disable_vfork():
     _FORK_EXEC = None
 
 
-_encoded_envs = {}  # id of a long-lived env dict (the daemon's own) -> (dict, its list)
 _exec_candidates = {}  # PATH -> its directories, encoded
 
 
-def _env_list(env):
-    cached = _encoded_envs.get(id(env))
-    if cached is not None and cached[0] is env:
-        return cached[1]
+def encode_env(env):
     return [("%s=%s" % item).encode("utf-8", "surrogateescape") for item in env.items()]
 
 
@@ -1034,7 +1030,8 @@ def _vfork_exec(argv, env, cwd, stdin_fd, stdout_fd, stderr_fd, daemon):
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
         try:
-            pid = _FORK_EXEC(args, candidates, True, (err_w,), cwd, _env_list(env),
+            env_list = daemon.env_list if env is daemon.env else encode_env(env)
+            pid = _FORK_EXEC(args, candidates, True, (err_w,), cwd, env_list,
                              stdin_fd, -1, -1, stdout_fd, -1, stderr_fd, err_r, err_w,
                              True, True, -1, None, None, None, -1, None, True)
         except TypeError as exc:
@@ -1206,7 +1203,7 @@ class Daemon:
         self.default_cap = default_cap
         self.started = time.time()
         self.env = base_environment()
-        _encoded_envs[id(self.env)] = (self.env, _env_list(self.env))  # never changed
+        self.env_list = encode_env(self.env)  # as a spawn takes it (self.env never changes)
         self.path = self.env["PATH"]
         os.environ["PATH"] = self.path  # what posix_spawnp searches
         self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -1531,18 +1528,11 @@ class Daemon:
                 raise RequestError("SessionNotFound", "no session named %r" % name)
             session = self.sessions[name] = Session(self, name, which("bash", self.env)
                                                     or "/bin/sh", self.env, None)
-        if not session.alive:
-            raise RequestError("SessionClosed", "session %r has exited (code %s)"
-                               % (name, session.exit_code))
         if session.lock.try_acquire():
-            try:
-                run = session.begin(cmd, cap)
-            except BaseException:
-                session.lock._release()
-                raise
-            SessionRun(session, run, reply, timeout, grace)
+            session.start(cmd, timeout, cap, grace, reply)
         else:
-            task = self.loop.create_task(_answer(reply, session.run(cmd, timeout, cap, grace)))
+            task = self.loop.create_task(session.start_when_free(cmd, timeout, cap, grace,
+                                                                 reply))
             reply.on_cancel = task.cancel
 
     async def op_session_close(self, req):
@@ -1871,8 +1861,32 @@ class Session:
         if self.current is not None:
             self.current.feed(index, chunk)
 
+    def start(self, cmd, timeout, cap, grace, reply):
+        """Run ``cmd`` (the lock is held, and passed to the SessionRun that answers)."""
+        try:
+            if not self.alive:
+                raise RequestError("SessionClosed", "session %r has exited (code %s)"
+                                   % (self.name, self.exit_code))
+            run = self.begin(cmd, cap)
+        except BaseException:
+            self.lock._release()
+            raise
+        SessionRun(self, run, reply, timeout, grace)
+
+    async def start_when_free(self, cmd, timeout, cap, grace, reply):
+        """A command sent while another runs: waits for the shell, then as ``start``."""
+        try:
+            await self.lock.__aenter__()
+        except CancelledError:  # the client went away while it waited
+            reply.abandon()
+            return
+        try:
+            self.start(cmd, timeout, cap, grace, reply)
+        except Exception as exc:
+            reply.fail(exc)
+
     def begin(self, cmd, cap):
-        """Hand ``cmd`` to the shell (the lock is held); returns its _SessionCommand."""
+        """Hand ``cmd`` to the shell; returns its _SessionCommand."""
         run = self.current = _SessionCommand(self.daemon.loop, cap)
         # bash reads a pipe one byte at a time: keep the wrapper short. $? on the
         # second line is still the status of the eval.
@@ -1905,22 +1919,6 @@ class Session:
                 "truncated": run.out.truncated or run.err.truncated,
                 "timed_out": timed_out, "duration_s": time.monotonic() - run.start,
                 "session_alive": self.alive}
-
-    async def run(self, cmd, timeout, cap, grace):
-        """A command queued behind another: waits for the shell, then runs."""
-        async with self.lock:
-            if not self.alive:
-                raise RequestError("SessionClosed", "session %r has exited" % self.name)
-            run = self.begin(cmd, cap)
-            timed_out = False
-            try:
-                finished = await wait_for(self.daemon.loop, run.finished, timeout)
-            except Timeout:
-                timed_out = True
-                finished = await self._interrupt(run, grace)
-            finally:
-                self.current = None
-            return self.result(run, finished, timed_out)
 
     async def _interrupt(self, run, grace):
         """Stop the running command but keep the shell: TERM, then KILL, the shell's
@@ -1972,17 +1970,19 @@ class SessionRun:
 
     def _interrupted(self, task):
         if task.exception() is not None:
-            self.session.current = None
-            self.session.lock._release()
+            self._free()
             self.reply.fail(task.exception())
-            return
-        self.answer(task.result(), True)
+        else:
+            self.answer(task.result(), True)
 
     def answer(self, finished, timed_out):
-        session = self.session
-        session.current = None
-        session.lock._release()
-        self.reply.ok(session.result(self.run, finished, timed_out))
+        self._free()
+        self.reply.ok(self.session.result(self.run, finished, timed_out))
+
+    def _free(self):
+        """The shell is free for the next command."""
+        self.session.current = None
+        self.session.lock._release()
 
 
 async def _answer(reply, coro):
@@ -1990,8 +1990,7 @@ async def _answer(reply, coro):
     try:
         result = await coro
     except CancelledError:  # the client went away
-        reply.done = True
-        reply.conn.inflight.pop(reply.rid, None)
+        reply.abandon()
     except Exception as exc:
         reply.fail(exc)
     else:
@@ -2533,6 +2532,11 @@ class Reply:
     def cancel(self):
         if not self.done and self.on_cancel is not None:
             self.on_cancel()
+
+    def abandon(self):
+        """No answer will be sent: the client went away."""
+        self.done = True
+        self.conn.inflight.pop(self.rid, None)
 
 
 OPS = {}

@@ -2,9 +2,10 @@
 
 Every operation is written once, as a *plan*: a generator that yields the requests it
 needs and receives their results. ``DaemonClient`` drives plans over a blocking socket
-(for scripts and tests); ``AsyncDaemonClient`` drives the same plans over asyncio with
-many requests in flight on one connection (for the handle hosts). Both use the daemon's
-own frame definitions and codec.
+(for scripts, tests and the handle hosts' threads); ``AsyncDaemonClient`` drives the
+same plans over asyncio with many requests in flight on one connection (for asyncio
+callers and the providers' probes). Both use the daemon's own frame definitions and
+codec.
 """
 
 import asyncio

@@ -73,6 +73,10 @@ class _Held:
         self.release_after: Optional[int] = None  # release once this many have ended
         self.ended = False  # released: connections in use are closed when they return
 
+    def drained(self, calls: int) -> bool:
+        """Whether ``calls`` calls have begun and none is in flight."""
+        return self.started >= calls and self.calls == 0
+
 
 class _HandleHost:
     def __init__(self, name: str):
@@ -189,8 +193,7 @@ class _HandleHost:
         ``.remote()``), or after RELEASE_WAIT_S if some never arrive."""
         with self.lock:
             held = self.held.get(lease_id)
-            if held is not None and after_calls is not None and (
-                    held.started < after_calls or held.calls):
+            if held is not None and after_calls is not None and not held.drained(after_calls):
                 held.release_after = after_calls  # the last call to end releases it
                 timer = threading.Timer(RELEASE_WAIT_S, self._release_late, (lease_id,))
                 timer.daemon = True
@@ -278,7 +281,7 @@ class _HandleHost:
                         held.idle.append(client)
                         client = None
                 release = (held.release_after is not None and not held.ended
-                           and held.calls == 0 and held.started >= held.release_after)
+                           and held.drained(held.release_after))
             if client is not None:
                 client.close()
             if release:

@@ -144,17 +144,13 @@ class Cgroups:
     def remove(self) -> None:
         """Remove the leaf groups (their processes must be gone). Blocking: agents call
         it on a worker thread (``SandboxProcess.remove`` through ``run_in_executor``)."""
+        from sandman_ray.providers.janitor import remove_cgroup
         for path in self.dirs:
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EBUSY:
-                        raise
-                    time.sleep(0.01)  # the last member is still being reaped by the kernel
+            try:
+                remove_cgroup(str(path))
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
         self.dirs = []
 
 

@@ -65,11 +65,7 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
     deadline = time.monotonic() + wait_s
     while True:
         pids = sandbox_processes(state_dir)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill(pids)
         if not pids or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
@@ -89,28 +85,42 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
         for leaf in leaves:  # a daemon whose bwrap died without taking it along
             kill_listed(os.path.join(leaf, "cgroup.procs"))
         for leaf in leaves + [group]:
-            for _ in range(50):
-                try:
-                    os.rmdir(leaf)
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EBUSY:
-                        break
-                    time.sleep(0.01)  # the killed are still being reaped by the kernel
+            try:
+                remove_cgroup(leaf)
+            except OSError:
+                pass
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def kill_listed(procs_file: str) -> None:
     """SIGKILL every pid a cgroup.procs file lists (a missing file lists none)."""
     try:
         with open(procs_file) as fh:
-            pids = fh.read().split()
+            kill(fh.read().split())
     except OSError:
         return
-    for pid in pids:
+
+
+def remove_cgroup(path: str) -> None:
+    """Remove a cgroup whose processes were killed: EBUSY while the kernel still reaps
+    the last of them, so asked again for up to half a second. Gone already is fine."""
+    for attempt in range(50):
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or attempt == 49:
+                raise
+            time.sleep(0.01)
 
 
 def main(argv) -> int:

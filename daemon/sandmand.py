@@ -627,6 +627,10 @@ class Loop:
     def run_until(self, fut):
         import heapq
         ready, timers = self.ready, self.timers
+        poll, readers, writers = self.epoll.poll, self.readers, self.writers
+        select = self.select
+        in_mask = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+        out_mask = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
         while not fut.done():
             if ready:
                 timeout = 0
@@ -635,16 +639,16 @@ class Loop:
             else:
                 timeout = -1
             try:
-                events = self.epoll.poll(timeout)
+                events = poll(timeout)
             except InterruptedError:
                 events = ()
             for fd, mask in events:
-                if mask & (self.select.EPOLLIN | self.select.EPOLLHUP | self.select.EPOLLERR):
-                    handler = self.readers.get(fd)
+                if mask & in_mask:
+                    handler = readers.get(fd)
                     if handler is not None:
                         ready.append(handler)
-                if mask & (self.select.EPOLLOUT | self.select.EPOLLHUP | self.select.EPOLLERR):
-                    handler = self.writers.get(fd)
+                if mask & out_mask:
+                    handler = writers.get(fd)
                     if handler is not None:
                         ready.append(handler)
             if timers:
@@ -1519,9 +1523,12 @@ class Daemon:
         while another runs queues behind it in a task."""
         name = field(req, "session", (str,), "default")
         cmd = field(req, "cmd", (str,))
-        timeout = number_field(req, "timeout", None)
-        cap = int(number_field(req, "max_output", self.default_cap, 0, MAX_STREAM_CAP))
-        grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
+        if len(req) == 4 and "session" in req:  # op, id, session, cmd: the common case
+            timeout, cap, grace = None, self.default_cap, DEFAULT_KILL_GRACE_S
+        else:
+            timeout = number_field(req, "timeout", None)
+            cap = int(number_field(req, "max_output", self.default_cap, 0, MAX_STREAM_CAP))
+            grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
         session = self.sessions.get(name)
         if session is None:
             if name != "default":
@@ -1814,10 +1821,18 @@ class ExecRun:
 
 
 class Session:
-    """A long-lived shell. Each command is wrapped so the shell itself writes a random
-    sentinel (with the exit code) to stdout and stderr when it ends: no prompt scraping,
-    no polling. The command runs in the shell's own context (``command eval``), so cwd,
-    variables and functions persist; its stdin is /dev/null."""
+    """A long-lived shell. Each command is followed by a call to a function that the
+    shell defines when it starts, ``__sandman_done SENTINEL``: it writes the random
+    sentinel and the exit code to stdout, so the shell itself says when the command
+    ended: no prompt scraping, no polling. By then everything the command wrote to
+    stderr is in the stderr pipe, which is read to its end without waiting. The
+    command runs in the shell's own context (``command eval``), so cwd, variables and
+    functions persist; its stdin is /dev/null.
+
+    bash reads its commands from the pipe one byte at a time, and opening /dev/null
+    for each command costs as much again: what the shell reads per command is kept
+    short, and bash keeps /dev/null open on fd 253 (``STDIN_FD``) to lend to each
+    command. Other shells (sh, ash) accept only one-digit fds, and open /dev/null."""
 
     def __init__(self, daemon, name, shell, env, cwd):
         self.daemon, self.name, self.shell = daemon, name, shell
@@ -1828,8 +1843,13 @@ class Session:
         os.set_blocking(self.stdin, False)
         out_r, out_w = cloexec_pipe()
         err_r, err_w = cloexec_pipe()
-        argv = [shell, "--noprofile", "--norc"] if shell.endswith("bash") else [shell]
+        bash = shell.endswith("bash")
+        argv = [shell, "--noprofile", "--norc"] if bash else [shell]
+        self.stdin_redirect = "<&%d" % STDIN_FD if bash else "</dev/null"
+        # written before any command, so it is in the pipe when the shell starts reading
+        prologue = SESSION_PROLOGUE + ("exec %d</dev/null\n" % STDIN_FD if bash else "")
         try:
+            os.write(self.stdin, prologue.encode())
             self.pid = spawn(argv, env, cwd, in_r, out_w, err_w, daemon)
         except BaseException:
             for fd in (self.stdin, out_r, err_r):
@@ -1858,8 +1878,15 @@ class Session:
             self.current.done(False)
 
     def _feed(self, index, chunk):
-        if self.current is not None:
-            self.current.feed(index, chunk)
+        run = self.current
+        if run is None or run.finished.done():
+            return  # output of background jobs, not of a command
+        if index == 1:
+            run.err.add(chunk)
+        elif run.feed(chunk):
+            # the command is over, so all its stderr is in the pipe: read it now
+            self.readers[1].drain(max_reads=16)
+            run.done(True)
 
     def start(self, cmd, timeout, cap, grace, reply):
         """Run ``cmd`` (the lock is held, and passed to the SessionRun that answers)."""
@@ -1888,11 +1915,8 @@ class Session:
     def begin(self, cmd, cap):
         """Hand ``cmd`` to the shell; returns its _SessionCommand."""
         run = self.current = _SessionCommand(self.daemon.loop, cap)
-        # bash reads a pipe one byte at a time: keep the wrapper short. $? on the
-        # second line is still the status of the eval.
-        script = ("command eval %s </dev/null\ncommand printf '%s%%d\\n' $?;"
-                  "command echo %s >&2\n" % (shell_quote(cmd), run.sentinel_text,
-                                              run.sentinel_text)).encode()
+        script = ("command eval %s %s\n__sandman_done %s\n"
+                  % (shell_quote(cmd), self.stdin_redirect, run.sentinel_text)).encode()
         try:
             written = os.write(self.stdin, script)
         except BlockingIOError:
@@ -1998,16 +2022,15 @@ async def _answer(reply, coro):
 
 
 class _SessionCommand:
-    """Output of one session command, split at the sentinels written by the shell."""
+    """Output of one session command; stdout ends at the sentinel written by the shell."""
 
     def __init__(self, loop, cap):
         # 64 random bits per command: output cannot end a command by accident, not
         # even by printing the sentinels of earlier commands
-        self.sentinel_text = "sm%s" % os.urandom(8).hex()
+        self.sentinel_text = _random_hex16()
         self.sentinel = self.sentinel_text.encode()
         self.out, self.err = Capture(cap), Capture(cap)
-        self.pending = [bytearray(), bytearray()]
-        self.seen = [False, False]
+        self.pending = bytearray()  # stdout held back while it may hold the sentinel
         self.exit_code = None
         self.start = time.monotonic()
         self.finished = loop.create_future()
@@ -2019,36 +2042,29 @@ class _SessionCommand:
                 self.on_done(finished)
             self.finished.set_result(finished)
 
-    def feed(self, index, chunk):
-        if self.seen[index]:
-            return  # after the sentinel: output of background jobs, not of this command
-        buf = self.pending[index]
+    def feed(self, chunk):
+        """Take a chunk of stdout; True once the sentinel and exit code are in."""
+        buf = self.pending
         buf += chunk
-        capture = self.out if index == 0 else self.err
         at = buf.find(self.sentinel)
         if at < 0:
             keep = len(self.sentinel) - 1
             if len(buf) > keep:
-                capture.add(bytes(buf[:len(buf) - keep]))
+                self.out.add(bytes(buf[:len(buf) - keep]))
                 del buf[:len(buf) - keep]
-            return
-        if index == 0:
-            end = buf.find(b"\n", at)
-            if end < 0:
-                return  # the exit code has not fully arrived yet
-            self.exit_code = int(buf[at + len(self.sentinel):end] or b"0")
-        capture.add(bytes(buf[:at]))
+            return False
+        end = buf.find(b"\n", at)
+        if end < 0:
+            return False  # the exit code has not fully arrived yet
+        self.exit_code = int(buf[at + len(self.sentinel):end] or b"0")
+        self.out.add(bytes(buf[:at]))
         del buf[:]
-        self.seen[index] = True
-        if all(self.seen):
-            self.done(True)
+        return True
 
     def flush(self):
-        """The shell is gone: what was held back while looking for a sentinel is output."""
-        for index, capture in ((0, self.out), (1, self.err)):
-            if not self.seen[index]:
-                capture.add(bytes(self.pending[index]))
-                del self.pending[index][:]
+        """The shell is gone: what was held back while looking for the sentinel is output."""
+        self.out.add(bytes(self.pending))
+        del self.pending[:]
 
 
 class Process:
@@ -2074,6 +2090,23 @@ class Process:
                 "started_at": self.started, "ended_at": self.ended,
                 "stdout_bytes": self.out.start + len(self.out.data),
                 "stderr_bytes": self.err.start + len(self.err.data)}
+
+
+_random_pool = []
+
+
+def _random_hex16():
+    """64 random bits as 16 hex digits; drawn from the OS 256 at a time."""
+    if not _random_pool:
+        block = os.urandom(2048).hex()
+        _random_pool.extend(block[i:i + 16] for i in range(0, 4096, 16))
+    return _random_pool.pop()
+
+
+# Defined by every session shell before its first command. ``$?`` in a function's
+# first command is the status of the command before the call: the eval's.
+SESSION_PROLOGUE = "__sandman_done() { command printf '%s%d\\n' \"$1\" \"$?\"; }\n"
+STDIN_FD = 253  # bash sessions: /dev/null, lent to each command as its stdin
 
 
 def shell_quote(text):

@@ -38,6 +38,26 @@ def test_stdin_is_at_eof(client):
     assert not r.timed_out and r.stdout == b"read=1\n"
 
 
+def test_stdin_is_dev_null_in_a_plain_sh_session_too(client):
+    client.session_open("plain-sh", shell="/bin/sh")
+    try:
+        client.run("x=kept", session="plain-sh")
+        r = client.run("cat; read y; echo read=$? $x", session="plain-sh", timeout=5)
+        assert not r.timed_out and r.stdout == b"read=1 kept\n"
+    finally:
+        client.session_close("plain-sh")
+
+
+def test_stderr_is_complete_when_the_command_ends(client):
+    """Only stdout carries the sentinel: what a command wrote to stderr just before it
+    ended, and more than a pipe holds, is all in its result and none in the next."""
+    big = client.run("head -c 300000 /dev/zero | tr '\\0' e >&2; echo out")
+    assert big.stdout == b"out\n" and big.stderr == b"e" * 300000
+    for i in range(100):
+        r = client.run("echo out%d; echo err%d >&2" % (i, i))
+        assert (r.stdout, r.stderr) == (b"out%d\n" % i, b"err%d\n" % i)
+
+
 def test_syntax_error_does_not_kill_the_session(client):
     r = client.run("if then fi")
     assert r.exit_code != 0 and r.session_alive

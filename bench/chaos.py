@@ -139,7 +139,8 @@ def finish(pool: str, trial: Trial) -> Trial:
     finally:
         sandman.shutdown_pool(pool)
     left = leftovers(pool, STATE)
-    trial.leaked = len(left["processes"]) + len(left["directories"]) + len(strays)
+    trial.leaked = (len(left["processes"]) + len(left["directories"]) + len(left["cgroups"])
+                    + len(strays))
     if strays:
         trial.notes.append("strays before shutdown: %d" % len(strays))
     if open_leases:

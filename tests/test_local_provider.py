@@ -154,10 +154,11 @@ def test_reset_drops_writes_and_processes(provider, images):
 
 def test_delete_kills_what_is_left_in_the_sandbox_cgroup(provider, images):
     """A process still in the sandbox's cgroup when bwrap is gone (as a daemon whose
-    bwrap died first once was) is killed when the sandbox is removed."""
+    bwrap died first once was) is killed when the sandbox is removed. A sandbox without
+    limits has such a group too."""
     stray = subprocess.Popen(["sleep", "83.5"])
     try:
-        with Sandbox(provider, SandboxSpec(image=images["dir"], pids=64)) as sb:
+        with Sandbox(provider, SandboxSpec(image=images["dir"])) as sb:
             groups = list(Path("/sys/fs/cgroup/pids/sandman").glob("*/%s" % sb.id))
             assert len(groups) == 1, "the sandbox has a pids cgroup"
             (groups[0] / "cgroup.procs").write_text(str(stray.pid))
@@ -166,6 +167,32 @@ def test_delete_kills_what_is_left_in_the_sandbox_cgroup(provider, images):
     finally:
         stray.kill()
         stray.wait()
+
+
+def test_leftovers_sees_a_process_that_outlived_its_bwrap(images):
+    """``leftovers`` finds sandbox processes by their cgroup, not only by command line:
+    a process left in a sandbox's group after its bwrap died (the daemon runs as PID 1
+    of its namespace and names no host path) is seen, and the agent's shutdown kills it."""
+    import signal
+    from sandman_ray.providers.local import leftovers
+    pool = "strays-" + uuid.uuid4().hex[:6]
+    p = LocalProvider(state_root=STATE, cache_root=CACHE).bind(pool)
+    stray = subprocess.Popen(["sleep", "84.5"])
+    try:
+        info = run(p.create(new_id(), SandboxSpec(image=images["dir"]), {}))
+        groups = list(Path("/sys/fs/cgroup/pids/sandman").glob("%s-*/%s" % (pool, info.sandbox_id)))
+        assert len(groups) == 1
+        (groups[0] / "cgroup.procs").write_text(str(stray.pid))
+        os.kill(info.details["pid"], signal.SIGKILL)  # bwrap goes; the stray stays
+        left = leftovers(pool, STATE)
+        assert stray.pid in left["processes"] and len(left["cgroups"]) >= 1
+        run(p.shutdown())
+        assert stray.wait(10) == -9
+        assert leftovers(pool, STATE) == {"processes": [], "directories": [], "cgroups": []}
+    finally:
+        stray.kill()
+        stray.wait()
+        run(p.shutdown())
 
 
 def test_create_is_idempotent_under_retries(provider, images):

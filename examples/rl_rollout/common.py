@@ -28,6 +28,6 @@ def init_ray(namespace: str) -> None:
 
 
 def sandboxes_left(pool: str, state_root: str) -> int:
-    """Sandbox processes and state directories of ``pool`` still on this host."""
+    """Sandbox processes, state directories and cgroups of ``pool`` still on this host."""
     left = leftovers(pool, state_root)
-    return len(left["processes"]) + len(left["directories"])
+    return len(left["processes"]) + len(left["directories"]) + len(left["cgroups"])

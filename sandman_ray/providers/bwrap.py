@@ -68,34 +68,55 @@ def _filter_pipe() -> Optional[int]:
     return read
 
 
+CONTROLLERS = ("memory", "pids", "cpu")
+
+
 class Cgroups:
     """The cgroups of one sandbox: v1 controllers (memory, pids, cpu) where writable,
     else the v2 unified hierarchy, else none (rlimits then stand in, see ``rlimits``).
-    ``applied`` says what was enforced and how."""
+    ``applied`` says what was enforced and how.
+
+    A sandbox without limits still gets a group (v1: pids, with no limit; v2: one with
+    no controllers): it holds every process of the sandbox, so that removing the
+    sandbox, the janitor and ``leftovers`` find each one, even one that outlived its
+    bwrap."""
 
     V1 = Path("/sys/fs/cgroup")
 
     def __init__(self, group: str):
-        self.group = group  # e.g. sandman/<pool>/<sandbox id>
+        self.group = group  # e.g. sandman/<pool>-<node>-<agent incarnation>/<sandbox id>
         self.dirs: List[Path] = []
         self.applied: Dict[str, str] = {}
 
+    @classmethod
+    def unified(cls) -> bool:
+        return (cls.V1 / "cgroup.controllers").exists()
+
+    @classmethod
+    def locations(cls, group: str) -> List[str]:
+        """Where ``group`` is (or would be): one directory per v1 controller, or one in
+        the v2 hierarchy."""
+        if cls.unified():
+            return [str(cls.V1 / group)]
+        return [str(cls.V1 / c / group) for c in CONTROLLERS]
+
     def create(self, spec: SandboxSpec) -> None:
         wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
-        if not any(v is not None for v in wanted.values()):
-            return
-        if (self.V1 / "cgroup.controllers").exists():
+        if self.unified():
             self._create_v2(wanted)
         else:
             self._create_v1(wanted)
 
     def _create_v1(self, wanted) -> None:
         for controller, value in wanted.items():
-            if value is None or not os.access(self.V1 / controller, os.W_OK):
+            if (value is None and controller != "pids") \
+                    or not os.access(self.V1 / controller, os.W_OK):
                 continue
             path = self.V1 / controller / self.group
             path.mkdir(parents=True, exist_ok=True)
             self.dirs.append(path)
+            if value is None:
+                continue  # the group that only holds the processes
             if controller == "memory":
                 _write(path / "memory.limit_in_bytes", value)
                 if (path / "memory.memsw.limit_in_bytes").exists():
@@ -109,13 +130,14 @@ class Cgroups:
 
     def _create_v2(self, wanted) -> None:
         root = self.V1
+        if not os.access(root, os.W_OK):
+            return
         available = (root / "cgroup.controllers").read_text().split()
         usable = [c for c, v in wanted.items() if v is not None and c in available]
-        if not usable:
-            return
         path, parts = root, self.group.split("/")
         for part in parts:  # enable the controllers down to the leaf's parent
-            _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
+            if usable:
+                _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
             path = path / part
             path.mkdir(exist_ok=True)
         self.dirs.append(path)

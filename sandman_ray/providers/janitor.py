@@ -78,17 +78,29 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
             os.rmdir(parent)
         except OSError:
             break
-    for group in cgroup_dirs:
-        if not os.path.isdir(group):
-            continue
-        leaves = [os.path.join(group, leaf) for leaf in os.listdir(group)]
-        for leaf in leaves:  # a daemon whose bwrap died without taking it along
+    clean_cgroups(cgroup_dirs)
+
+
+def clean_cgroups(groups) -> None:
+    """Kill what is left in each group's sandbox groups (a daemon whose bwrap died
+    without taking it along), then remove them and the group."""
+    for group in groups:
+        leaves = sandbox_groups(group)
+        for leaf in leaves:
             kill_listed(os.path.join(leaf, "cgroup.procs"))
         for leaf in leaves + [group]:
             try:
                 remove_cgroup(leaf)
             except OSError:
                 pass
+
+
+def sandbox_groups(group: str):
+    """The sandboxes' cgroups under an agent's ``group`` (none when it does not exist)."""
+    try:
+        return [e.path for e in os.scandir(group) if e.is_dir()]
+    except OSError:
+        return []
 
 
 def kill(pids) -> None:

@@ -9,6 +9,8 @@ the next agent of that pool and node removes whatever state the last one left.
 
 import asyncio
 import logging
+import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -42,7 +44,7 @@ class NodeAgent:
         # kills and removes what names its own directory, never the next agent's
         self.state = Path(state_root) / pool / node_id[:16] / secrets.token_hex(4)
         self.trash = self.state.parent / (self.state.name + ".trash")
-        self.cgroup_parent = "sandman/%s-%s" % (pool, node_id[:16])
+        self.cgroup_parent = "sandman/" + agent_group(pool, node_id, self.state.name)
         self._remove_leftovers()
         self.state.mkdir(parents=True, exist_ok=True)
         self.janitor = self._start_janitor()
@@ -55,24 +57,17 @@ class NodeAgent:
 
     def _remove_leftovers(self) -> None:
         """What a dead agent of this pool and node left: its sandboxes died with it,
-        their state directories and cgroups did not."""
-        from sandman_ray.providers.bwrap import Cgroups
+        their state directories and cgroups did not (nor, in their cgroups, a daemon
+        that outlived its bwrap)."""
+        from sandman_ray.providers.janitor import clean_cgroups
         shutil.rmtree(self.state.parent, ignore_errors=True)
-        for base in (Cgroups.V1 / c / self.cgroup_parent for c in ("memory", "pids", "cpu")):
-            if base.is_dir():
-                for leaf in base.iterdir():
-                    if leaf.is_dir():
-                        try:
-                            leaf.rmdir()
-                        except OSError:
-                            pass
+        clean_cgroups(agent_groups(self.pool, self.node_id))
 
     def _start_janitor(self):
         """A process that cleans this agent's state once the agent is gone."""
         from sandman_ray.providers import janitor
         from sandman_ray.providers.bwrap import Cgroups
-        self.cgroup_dirs = [str(Cgroups.V1 / c / self.cgroup_parent)
-                            for c in ("memory", "pids", "cpu")]
+        self.cgroup_dirs = Cgroups.locations(self.cgroup_parent)
         return janitor.start([str(self.state)] + self.cgroup_dirs)
 
     def ready(self) -> str:
@@ -180,17 +175,48 @@ class NodeAgent:
         return len(ids)
 
 
+def agent_group(pool: str, node_id: str, incarnation: str) -> str:
+    """The cgroup (under ``sandman/``) of one agent incarnation's sandboxes: a janitor
+    cleans its own incarnation's, never those of the agent that replaced it."""
+    return "%s-%s-%s" % (pool, node_id[:16], incarnation)
+
+
+def agent_groups(pool: str, node_id: Optional[str] = None) -> List[str]:
+    """The agents' cgroups of ``pool`` on this host (of one node's agents when given),
+    in every hierarchy."""
+    from sandman_ray.providers.bwrap import Cgroups
+    node = re.escape(node_id[:16]) if node_id else r"[0-9a-f]{16}"
+    name = re.compile(re.escape(pool) + "-" + node + r"-[0-9a-f]{8}$")
+    found = []
+    for base in Cgroups.locations("sandman"):
+        try:
+            found += [e.path for e in os.scandir(base) if e.is_dir() and name.match(e.name)]
+        except OSError:
+            continue
+    return found
+
+
 def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list]:
     """What of ``pool``'s sandboxes is left on this host, found without asking any actor:
     live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
-    on their own) and sandbox state directories. Empty lists once a pool is shut down."""
-    from sandman_ray.providers.janitor import sandbox_processes
+    on their own), found by command line and in the sandboxes' cgroups; sandbox state
+    directories; and cgroups. Empty lists once a pool is shut down."""
+    from sandman_ray.providers.janitor import sandbox_groups, sandbox_processes
     pool_dir = Path(state_root) / pool
-    processes = sandbox_processes(str(pool_dir) + "/", unless=b"sandman_ray.providers.janitor")
+    processes = set(sandbox_processes(str(pool_dir) + "/",
+                                      unless=b"sandman_ray.providers.janitor"))
+    groups = agent_groups(pool)
+    for group in groups:
+        for leaf in sandbox_groups(group):
+            try:
+                with open(os.path.join(leaf, "cgroup.procs")) as fh:
+                    processes.update(int(pid) for pid in fh.read().split())
+            except OSError:
+                continue
     # state_root/pool/<node>/<agent incarnation>/<sandbox id>
     directories = [str(d) for d in pool_dir.glob("*/*/*")
                    if d.is_dir() and not d.parent.name.endswith(".trash")]
-    return {"processes": processes, "directories": directories}
+    return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
 
 
 class LocalProvider(NodeAgentProvider):

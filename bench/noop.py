@@ -8,7 +8,10 @@ In one run, p50/p99 (ms) of:
   session true ``true`` in a persistent shell session
 for each daemon: the daemon as a host process over a unix socket and over TCP loopback,
 and the self-contained bundle inside a bubblewrap sandbox of the host's root filesystem
-(the same /bin/true as the floor). The floor and every daemon use the same small
+(the same /bin/true as the floor). Beside them, ``exec true`` through the least a
+daemon can do (``bench/minimal_daemon.py``: read a frame, spawn, wait, reply, with the
+same client): the part of a daemon's cost over the floor that the round trip alone
+takes on this machine. The floor and every daemon use the same small
 environment, as in a sandbox. Samples are taken in interleaved rounds so that
 drift on a busy machine hits every row alike. Prints a table and one JSON line.
 
@@ -86,6 +89,14 @@ def start_host_daemon(listen: str, token: str):
     return proc, address
 
 
+def start_minimal_daemon(path: Path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "minimal_daemon.py"),
+                             str(path)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit("the minimal daemon did not start")
+    return proc, "unix:%s" % path
+
+
 def percentile(samples, q):
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -99,7 +110,7 @@ def main() -> None:
     token = "bench-token"
     tmp = Path(tempfile.mkdtemp(prefix="sandman-bench-"))
     procs, clients = [], {}
-    sandbox = None
+    sandbox = minimal = None
     try:
         p, unix_addr = start_host_daemon("unix:%s/host.sock" % tmp, token)
         procs.append(p)
@@ -112,9 +123,13 @@ def main() -> None:
                                env=SANDBOX_ENV)
         sandbox_token = sandbox.token
         clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
+        p, minimal_addr = start_minimal_daemon(tmp / "minimal.sock")
+        procs.append(p)
+        minimal = DaemonClient(minimal_addr, token)
 
         rows = {("floor", "posix_spawn true"): floor,
-                ("in-process", "captured spawn"): captured_spawn}
+                ("in-process", "captured spawn"): captured_spawn,
+                ("minimal daemon, unix", "exec true"): lambda: minimal.exec("true")}
         for where, client in clients.items():
             client.run("true")  # open the default session before timing
             rows[(where, "ping")] = client.ping
@@ -147,7 +162,7 @@ def main() -> None:
             "python": platform.python_version()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": results}))
     finally:
-        for client in clients.values():
+        for client in list(clients.values()) + ([minimal] if minimal else []):
             client.close()
         if sandbox is not None:
             sandbox.stop()

@@ -8,7 +8,10 @@ On a local Ray with the LocalProvider:
   noop   a no-op command through the public API (``ray.get(sb.exec.remote("true"))`` and
          the session form ``sb.run``), beside: a bare Ray actor whose method spawns
          ``true`` itself (the floor of our path: one actor call and one spawn), a bare
-         actor call, the daemon client straight to a sandbox, and SWE-ReX's
+         actor call, the same bare actor asking the least a daemon can do
+         (``bench/minimal_daemon.py``) to run ``true`` (what any design that runs the
+         command in another process costs over the floor), the daemon client straight
+         to a sandbox, and SWE-ReX's
          ``swerex-remote`` server (a host process, no sandbox) through its
          ``RemoteRuntime``: ``execute`` and ``run_in_session``. Interleaved rounds.
   burst  N acquires from M client processes at once, cold (no sandbox yet) and warm (N
@@ -33,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -77,6 +81,13 @@ class Bare:
     def spawn_true(self):
         pid = os.posix_spawn("/bin/true", ["true"], ENV)
         return os.waitpid(pid, 0)[1]
+
+    def minimal_daemon_true(self, address: str):
+        """``true`` through bench/minimal_daemon.py, returning its exit code as
+        ``spawn_true`` does."""
+        if getattr(self, "minimal", None) is None:
+            self.minimal = DaemonClient(address, "unused")
+        return self.minimal.exec("true").exit_code
 
 
 class SweRex:
@@ -145,7 +156,14 @@ def noop(samples: int, rounds: int = 10) -> dict:
     sb = sandman.acquire("host", pool=pool, timeout=120)
     bare = Bare.remote()
     swerex = SweRex()
+    minimal_dir = Path(tempfile.mkdtemp(prefix="sandman-bench-"))
+    minimal = subprocess.Popen([sys.executable, str(ROOT / "bench" / "minimal_daemon.py"),
+                                str(minimal_dir / "minimal.sock")],
+                               stdout=subprocess.PIPE, text=True)
+    minimal_addr = "unix:%s" % (minimal_dir / "minimal.sock")
     try:
+        if minimal.stdout.readline().strip() != "ready":
+            raise SystemExit("bench/minimal_daemon.py did not start")
         client.run("true")
         ray.get(sb.run.remote("true"))  # both sessions open before timing
         rows: Dict[str, Callable[[], object]] = {
@@ -153,6 +171,8 @@ def noop(samples: int, rounds: int = 10) -> dict:
             "public API: session true": lambda: ray.get(sb.run.remote("true")),
             "bare actor spawning true (floor)": lambda: ray.get(bare.spawn_true.remote()),
             "bare actor call, no work": lambda: ray.get(bare.noop.remote()),
+            "bare actor -> minimal daemon: exec true":
+                lambda: ray.get(bare.minimal_daemon_true.remote(minimal_addr)),
             "daemon client: exec true": lambda: client.exec("true"),
             "daemon client: session true": lambda: client.run("true"),
             "SWE-ReX: execute true": swerex.execute,
@@ -171,6 +191,9 @@ def noop(samples: int, rounds: int = 10) -> dict:
                     fn()
                     times[name].append(time.perf_counter() - start)
     finally:
+        minimal.kill()
+        minimal.wait()
+        shutil.rmtree(minimal_dir, ignore_errors=True)
         swerex.close()
         client.close()
         sandman.release(sb)
@@ -181,6 +204,8 @@ def noop(samples: int, rounds: int = 10) -> dict:
     p50 = {name: row["p50_ms"] for name, row in out.items()}
     out["ratios"] = {
         "exec / floor": p50["public API: exec true"] / p50["bare actor spawning true (floor)"],
+        "minimal daemon / floor": p50["bare actor -> minimal daemon: exec true"]
+        / p50["bare actor spawning true (floor)"],
         "SWE-ReX execute / exec": p50["SWE-ReX: execute true"] / p50["public API: exec true"],
         "SWE-ReX run_in_session / session": p50["SWE-ReX: run_in_session true"]
         / p50["public API: session true"]}
@@ -470,6 +495,8 @@ def _noop_rows(noop: dict) -> List[tuple]:
     r = noop["ratios"]
     rows.append(("noop", "exec true: public API / floor", "%.2fx" % r["exec / floor"],
                  "target <= 1.25x"))
+    rows.append(("noop", "exec true: bare actor -> minimal daemon / floor",
+                 "%.2fx" % r["minimal daemon / floor"], "any daemon's least"))
     rows.append(("noop", "SWE-ReX execute / public API exec",
                  "%.1fx" % r["SWE-ReX execute / exec"], "target >= 1.5x"))
     rows.append(("noop", "SWE-ReX run_in_session / public API session",

@@ -61,6 +61,19 @@ def test_acquire_exec_release_and_context_manager(pool, image):
     assert states(pool)["leased"] == 0
 
 
+def test_handle_calls_take_any_arguments_an_actor_call_takes(pool, image):
+    """Plain arguments travel packed into one value; others (an ObjectRef for Ray to
+    resolve first) as Ray arguments. Both reach the daemon as given."""
+    with sandman.sandbox(image, pool=pool) as sb:
+        ray.get(sb.write_file.remote("/work/ref", ray.put(b"from the object store")))
+        assert ray.get(sb.read_file.remote("/work/ref")) == b"from the object store"
+        r = ray.get(sb.exec.remote(("sh", "-c", "echo $V; cat"), env={"V": "kw"},
+                                   stdin=b"in", timeout=30))
+        assert (r.exit_code, r.stdout) == (0, b"kw\nin")
+        with pytest.raises(TypeError):
+            ray.get(sb.exec.remote("true", no_such_option=1))
+
+
 def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image):
     pool = make_pool(warm={image: 1})
     try:

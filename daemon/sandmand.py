@@ -1821,8 +1821,7 @@ class ExecRun:
 
 
 class Session:
-    """A long-lived shell. Each command is followed by a call to a function that the
-    shell defines when it starts, ``__sandman_done SENTINEL``: it writes the random
+    """A long-lived shell. Each command is followed by a ``printf`` of a random
     sentinel and the exit code to stdout, so the shell itself says when the command
     ended: no prompt scraping, no polling. By then everything the command wrote to
     stderr is in the stderr pipe, which is read to its end without waiting. The
@@ -1846,10 +1845,9 @@ class Session:
         bash = shell.endswith("bash")
         argv = [shell, "--noprofile", "--norc"] if bash else [shell]
         self.stdin_redirect = "<&%d" % STDIN_FD if bash else "</dev/null"
-        # written before any command, so it is in the pipe when the shell starts reading
-        prologue = SESSION_PROLOGUE + ("exec %d</dev/null\n" % STDIN_FD if bash else "")
         try:
-            os.write(self.stdin, prologue.encode())
+            if bash:  # in the pipe before any command, so first when the shell reads
+                os.write(self.stdin, b"exec %d</dev/null\n" % STDIN_FD)
             self.pid = spawn(argv, env, cwd, in_r, out_w, err_w, daemon)
         except BaseException:
             for fd in (self.stdin, out_r, err_r):
@@ -1915,7 +1913,8 @@ class Session:
     def begin(self, cmd, cap):
         """Hand ``cmd`` to the shell; returns its _SessionCommand."""
         run = self.current = _SessionCommand(self.daemon.loop, cap)
-        script = ("command eval %s %s\n__sandman_done %s\n"
+        # $? on the second line is the status of the eval
+        script = ("command eval %s %s\ncommand printf '%s%%d\\n' $?\n"
                   % (shell_quote(cmd), self.stdin_redirect, run.sentinel_text)).encode()
         try:
             written = os.write(self.stdin, script)
@@ -2103,9 +2102,6 @@ def _random_hex16():
     return _random_pool.pop()
 
 
-# Defined by every session shell before its first command. ``$?`` in a function's
-# first command is the status of the command before the call: the eval's.
-SESSION_PROLOGUE = "__sandman_done() { command printf '%s%d\\n' \"$1\" \"$?\"; }\n"
 STDIN_FD = 253  # bash sessions: /dev/null, lent to each command as its stdin
 
 

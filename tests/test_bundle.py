@@ -96,3 +96,30 @@ def test_stopping_the_sandbox_leaves_nothing(bundle, busybox_rootfs, tmp_path):
     wait_until(lambda: processes_matching("sleep 71.5") == [], timeout=5,
                what="the sandbox's processes to die with it")
     assert not (tmp_path / "run" / "sock").exists()
+
+
+def test_a_group_without_limits_that_cannot_be_joined_does_not_stop_the_sandbox(
+        bundle, busybox_rootfs, tmp_path, monkeypatch):
+    """Where the cgroups look writable but refuse a process (the agent in a container
+    with a cgroup namespace of its own, say), a sandbox without limits still starts:
+    the group that only tracks its processes is joined where the host allows."""
+    from sandman_ray.images import PreparedImage
+    from sandman_ray.providers.bwrap import Cgroups, SandboxProcess
+    from sandman_ray.spec import SandboxSpec
+    require_bwrap()
+    fake = tmp_path / "cgroup"
+    refusing = fake / "pids" / "sandman-test" / "sbx"
+    (refusing / "cgroup.procs").mkdir(parents=True)  # writing a pid into it fails
+    monkeypatch.setattr(Cgroups, "V1", fake)
+    image = PreparedImage("dir:%s" % busybox_rootfs, busybox_rootfs)
+    sandbox = SandboxProcess("sbx", image, bundle, tmp_path / "state",
+                             SandboxSpec(image=image.image), cgroup_group="sandman-test/sbx")
+    sandbox.launch()
+    try:
+        address = sandbox.wait_ready_blocking(10)
+        assert sandbox.cgroups.tracking == [refusing]
+        with DaemonClient(address, sandbox.token, default_timeout=30) as client:
+            assert client.exec("echo up").stdout == b"up\n"
+    finally:
+        (refusing / "cgroup.procs").rmdir()  # a real group's files go with it, these not
+        sandbox.remove(tmp_path / "trash")

@@ -46,6 +46,7 @@ CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW",
                 "AUDIT_WRITE")
 _LAUNCH = r"""
 for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
+for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
 if [ -n "$1" ]; then
     mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 98
 fi
@@ -79,13 +80,15 @@ class Cgroups:
     A sandbox without limits still gets a group (v1: pids, with no limit; v2: one with
     no controllers): it holds every process of the sandbox, so that removing the
     sandbox, the janitor and ``leftovers`` find each one, even one that outlived its
-    bwrap."""
+    bwrap. Such a group is made and joined where the host allows (``tracking``): a
+    host whose cgroups look writable but refuse it still starts the sandbox."""
 
     V1 = Path("/sys/fs/cgroup")
 
     def __init__(self, group: str):
         self.group = group  # e.g. sandman/<pool>-<node>-<agent incarnation>/<sandbox id>
         self.dirs: List[Path] = []
+        self.tracking: List[Path] = []  # of those, the groups that enforce nothing
         self.applied: Dict[str, str] = {}
 
     @classmethod
@@ -113,10 +116,11 @@ class Cgroups:
                     or not os.access(self.V1 / controller, os.W_OK):
                 continue
             path = self.V1 / controller / self.group
+            if value is None:  # a group that only holds the processes
+                self._track(path)
+                continue
             path.mkdir(parents=True, exist_ok=True)
             self.dirs.append(path)
-            if value is None:
-                continue  # the group that only holds the processes
             if controller == "memory":
                 _write(path / "memory.limit_in_bytes", value)
                 if (path / "memory.memsw.limit_in_bytes").exists():
@@ -134,10 +138,12 @@ class Cgroups:
             return
         available = (root / "cgroup.controllers").read_text().split()
         usable = [c for c, v in wanted.items() if v is not None and c in available]
+        if not usable:
+            self._track(root / self.group)
+            return
         path, parts = root, self.group.split("/")
         for part in parts:  # enable the controllers down to the leaf's parent
-            if usable:
-                _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
+            _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
             path = path / part
             path.mkdir(exist_ok=True)
         self.dirs.append(path)
@@ -151,8 +157,19 @@ class Cgroups:
                 _write(path / "cpu.max", "%d 100000" % int(value * 100000))
             self.applied[controller] = "cgroup-v2"
 
-    def procs_files(self) -> List[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs]
+    def _track(self, path: Path) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return
+        self.dirs.append(path)
+        self.tracking.append(path)
+
+    def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
+        """Every group's cgroup.procs; only those that enforce limits (False), or only
+        those that do not (True)."""
+        return [str(d / "cgroup.procs") for d in self.dirs
+                if tracking is None or (d in self.tracking) == tracking]
 
     def kill_members(self) -> None:
         """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
@@ -330,7 +347,9 @@ class SandboxProcess:
         ready_r, ready_w = os.pipe()
         filter_r = _filter_pipe()
         env = dict(self._environment(), SANDMAN_TOKEN=self.token)
-        env["SANDMAN_CGROUP_PROCS"] = " ".join(self.cgroups.procs_files()) if self.cgroups else ""
+        groups = self.cgroups or Cgroups("")
+        env["SANDMAN_CGROUP_PROCS"] = " ".join(groups.procs_files(tracking=False))
+        env["SANDMAN_CGROUP_TRACK"] = " ".join(groups.procs_files(tracking=True))
         try:
             self.proc = subprocess.Popen(
                 self.argv(ready_w, filter_r), env=env, stdin=subprocess.DEVNULL,

@@ -103,7 +103,10 @@ def _pack_into(out, obj, depth):
     elif isinstance(obj, float):
         out += struct.pack(">Bd", 0xCB, obj)
     elif isinstance(obj, str):
-        data = obj.encode("utf-8")
+        try:
+            data = obj.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: msgpack refuses it too
+            raise CodecError("string not encodable as UTF-8: %s" % exc)
         n = len(data)
         if n < 32:
             out.append(0xA0 | n)
@@ -1831,7 +1834,8 @@ class Session:
     bash reads its commands from the pipe one byte at a time, and opening /dev/null
     for each command costs as much again: what the shell reads per command is kept
     short, and bash keeps /dev/null open on fd 253 (``STDIN_FD``) to lend to each
-    command. Other shells (sh, ash) accept only one-digit fds, and open /dev/null."""
+    command. Other shells (sh, ash) accept only one-digit fds, and open /dev/null, as
+    bash does under an open-file limit of 253 or less."""
 
     def __init__(self, daemon, name, shell, env, cwd):
         self.daemon, self.name, self.shell = daemon, name, shell
@@ -1844,9 +1848,11 @@ class Session:
         err_r, err_w = cloexec_pipe()
         bash = shell.endswith("bash")
         argv = [shell, "--noprofile", "--norc"] if bash else [shell]
-        self.stdin_redirect = "<&%d" % STDIN_FD if bash else "</dev/null"
+        # an fd at or over the open-file limit cannot be opened (SC_OPEN_MAX: the limit)
+        keep = bash and os.sysconf("SC_OPEN_MAX") > STDIN_FD
+        self.stdin_redirect = "<&%d" % STDIN_FD if keep else "</dev/null"
         try:
-            if bash:  # in the pipe before any command, so first when the shell reads
+            if keep:  # in the pipe before any command, so first when the shell reads
                 os.write(self.stdin, b"exec %d</dev/null\n" % STDIN_FD)
             self.pid = spawn(argv, env, cwd, in_r, out_w, err_w, daemon)
         except BaseException:
@@ -1882,8 +1888,9 @@ class Session:
         if index == 1:
             run.err.add(chunk)
         elif run.feed(chunk):
-            # the command is over, so all its stderr is in the pipe: read it now
-            self.readers[1].drain(max_reads=16)
+            # the command is over, so all its stderr is in the pipe: read it now (a
+            # pipe holds at most 1 MiB unless CAP_SYS_RESOURCE, dropped in sandboxes)
+            self.readers[1].drain(max_reads=32)
             run.done(True)
 
     def start(self, cmd, timeout, cap, grace, reply):

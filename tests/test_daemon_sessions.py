@@ -1,12 +1,13 @@
 """Persistent shell sessions through a real daemon process."""
 
 import asyncio
+import sys
 import uuid
 
 import pytest
 
 from sandman_ray import AsyncDaemonClient, DaemonError
-from conftest import processes_matching
+from conftest import DaemonProcess, processes_matching
 
 
 def test_state_persists_between_runs(client):
@@ -46,6 +47,19 @@ def test_stdin_is_dev_null_in_a_plain_sh_session_too(client):
         assert not r.timed_out and r.stdout == b"read=1 kept\n"
     finally:
         client.session_close("plain-sh")
+
+
+def test_bash_sessions_work_under_an_open_file_limit_below_their_kept_fd(tmp_path):
+    """A bash session keeps /dev/null on fd 253 for its commands' stdin; under a limit
+    of 128 open files it cannot, and opens /dev/null per command instead."""
+    d = DaemonProcess("unix:%s/n.sock" % tmp_path, python="prlimit",
+                      python_flags=("--nofile=128:128", sys.executable))
+    try:
+        with d.client() as c:
+            r = c.run("echo hi; cat; read x; echo read=$?", timeout=10)
+            assert (r.exit_code, r.stdout, r.stderr) == (0, b"hi\nread=1\n", b"")
+    finally:
+        d.stop()
 
 
 def test_stderr_is_complete_when_the_command_ends(client):

@@ -72,6 +72,11 @@ def test_handle_calls_take_any_arguments_an_actor_call_takes(pool, image):
         assert (r.exit_code, r.stdout) == (0, b"kw\nin")
         with pytest.raises(TypeError):
             ray.get(sb.exec.remote("true", no_such_option=1))
+        with pytest.raises(TypeError):  # packed, but not decodable as the daemon's map
+            ray.get(sb.exec.remote("true", env={1: "x"}))
+        with pytest.raises(TypeError):
+            ray.get(sb.sandbox_id.remote("unexpected"))
+        assert ray.get(sb.exec.remote("echo still")).stdout == b"still\n"
 
 
 def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image):

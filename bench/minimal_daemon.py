@@ -1,10 +1,12 @@
 """The least a daemon process can do for ``exec``: a yardstick for the benchmarks.
 
 It speaks just enough of the protocol for ``DaemonClient.exec``: per connection, a
-blocking loop reads a frame, spawns the command (whitespace-split, no shell; stdout and
-stderr through pipes, stdin /dev/null), waits for it, and sends its exit code and
-output. No token check, validation, limits, timeouts, sessions, streaming or requests
-side by side. Whatever any daemon must add to a bare spawn is a socket round trip and
+blocking loop reads a frame, spawns the command as every daemon must (whitespace-split,
+no shell; a new session, default SIGPIPE and SIGXFSZ, stdin /dev/null, stdout and
+stderr through pipes: what ``captured spawn`` in bench/noop.py does), reads its output,
+waits for it, and sends its exit code and output. No token check, validation, limits,
+timeouts, sessions, streaming or requests side by side; stdout is read to its end
+before stderr, so a command that fills the stderr pipe first would hang it. Whatever any daemon must add to a bare spawn is a socket round trip and
 this, so ``bench/noop.py`` and ``bench/run_all.py`` time it beside sandmand: it shows
 how much of sandmand's cost over the floor the round trip alone takes on the machine.
 Never use it to run anything else: it trusts its socket.
@@ -13,6 +15,7 @@ Never use it to run anything else: it trusts its socket.
 """
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -32,15 +35,16 @@ def run(cmd: str) -> dict:
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        pid = os.posix_spawnp(argv[0], argv, ENV,
+        pid = os.posix_spawnp(argv[0], argv, ENV, setsid=True,
+                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
                               file_actions=[(os.POSIX_SPAWN_DUP2, DEVNULL, 0),
                                             (os.POSIX_SPAWN_DUP2, out_w, 1),
                                             (os.POSIX_SPAWN_DUP2, err_w, 2)])
     finally:
         os.close(out_w)
         os.close(err_w)
-    _, status = os.waitpid(pid, 0)
     out, err = _read_all(out_r), _read_all(err_r)
+    _, status = os.waitpid(pid, 0)
     return {"exit_code": os.waitstatus_to_exitcode(status), "signal": None,
             "timed_out": False, "duration_s": 0.0, "stdout": out, "stderr": err,
             "truncated": False}

@@ -89,12 +89,14 @@ def start_host_daemon(listen: str, token: str):
     return proc, address
 
 
-def start_minimal_daemon(path: Path):
+def start_minimal_daemon(path: Path, procs: list) -> str:
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "minimal_daemon.py"),
                              str(path)], stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
     if proc.stdout.readline().strip() != "ready":
         raise SystemExit("the minimal daemon did not start")
-    return proc, "unix:%s" % path
+    proc.stdout.close()
+    return "unix:%s" % path
 
 
 def percentile(samples, q):
@@ -123,9 +125,7 @@ def main() -> None:
                                env=SANDBOX_ENV)
         sandbox_token = sandbox.token
         clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
-        p, minimal_addr = start_minimal_daemon(tmp / "minimal.sock")
-        procs.append(p)
-        minimal = DaemonClient(minimal_addr, token)
+        minimal = DaemonClient(start_minimal_daemon(tmp / "minimal.sock", procs), token)
 
         rows = {("floor", "posix_spawn true"): floor,
                 ("in-process", "captured spawn"): captured_spawn,

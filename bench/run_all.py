@@ -164,6 +164,7 @@ def noop(samples: int, rounds: int = 10) -> dict:
     try:
         if minimal.stdout.readline().strip() != "ready":
             raise SystemExit("bench/minimal_daemon.py did not start")
+        minimal.stdout.close()
         client.run("true")
         ray.get(sb.run.remote("true"))  # both sessions open before timing
         rows: Dict[str, Callable[[], object]] = {

@@ -13,7 +13,7 @@ import ray
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, handle_name_prefix, pool_actor_name
-from sandman_ray.spec import PoolConfig, SandboxSpec
+from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
 POOL_RESTART_RETRIES = 20  # times a lease request is asked again of a restarting PoolActor
@@ -41,6 +41,7 @@ def _caches_current() -> None:
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
     """Create the pool ``name`` (or return it if it exists): a detached actor that
     outlives this driver. ``config`` takes the fields of ``PoolConfig``."""
+    check_pool_name(name)
     cfg = PoolConfig(provider=provider, warm=dict(warm or {}), **config)
     head = _head_node()
     # worker nodes come and go (autoscaling, failures); the head stays

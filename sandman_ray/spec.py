@@ -8,6 +8,18 @@ _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
           "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
 
 
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
+
+
+def check_pool_name(name) -> str:
+    """A pool's name goes into actor names, directories, cgroups and Kubernetes labels:
+    1 to 63 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    if not isinstance(name, str) or not _POOL_NAME.match(name):
+        raise ValueError("pool name %r: use 1 to 63 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit" % (name,))
+    return name
+
+
 def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[int]:
     """``512Mi``, ``1G``, ``1.5Gi`` or an int of bytes; None stays None."""
     if value is None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sandman_ray.spec import PoolConfig, SandboxSpec, parse_bytes
+from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name, parse_bytes
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -45,3 +45,18 @@ def test_pool_config_names_the_bad_field(kwargs, words):
 
 def test_pool_config_turns_image_strings_into_specs():
     assert PoolConfig(warm={"host": 2}).warm == {SandboxSpec(image="host"): 2}
+
+
+@pytest.mark.parametrize("name", ["a/b", "", "-lead", "x" * 64, "sp ace", "dots/../up", 7, None])
+def test_bad_pool_names_are_refused_by_name(name):
+    from sandman_ray import create_pool
+    from sandman_ray.providers.local import LocalProvider
+    for attempt in (lambda: check_pool_name(name), lambda: create_pool(name),
+                    lambda: LocalProvider().bind(name)):
+        with pytest.raises(ValueError, match="pool name"):
+            attempt()
+
+
+def test_good_pool_names_pass():
+    for name in ("default", "rl-rollout", "p.1_x", "x" * 63, "7up"):
+        assert check_pool_name(name) == name

@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, throttled, transient)
-from sandman_ray.spec import SandboxSpec, parse_image
+from sandman_ray.spec import SandboxSpec, check_pool_name, parse_image
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class KubernetesProvider(Provider):
         self.stats = {"requests": 0, "throttled": 0, "conflicts": 0, "replaced": 0}
 
     def bind(self, pool: str) -> "KubernetesProvider":
-        self.pool = pool
+        self.pool = check_pool_name(pool)
         return self
 
     def __getstate__(self):

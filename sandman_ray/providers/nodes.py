@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sandman_ray.errors import ProviderError, SandmanError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class NodeAgentProvider(Provider):
 
     def bind(self, pool: str) -> "NodeAgentProvider":
         """Name the pool whose agents this provider drives."""
-        self.pool = pool
+        self.pool = check_pool_name(pool)
         return self
 
     def __getstate__(self):

@@ -17,6 +17,7 @@ Never use it to run anything else: it trusts its socket.
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -75,6 +76,22 @@ def serve(conn: socket.socket) -> None:
                 else:  # hello, and anything else: a bare acknowledgement
                     result = {"version": PROTOCOL_VERSION}
                 conn.sendall(encode_frame({"id": req.get("id"), "ok": True, "result": result}))
+
+
+def start(path: Path) -> subprocess.Popen:
+    """Start it on the unix socket ``path`` (for the benchmarks); returns once it
+    listens, and stops it if it does not."""
+    proc = subprocess.Popen([sys.executable, __file__, str(path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        ready = proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.stdout.close()
+    if not ready:
+        proc.kill()
+        proc.wait()
+        raise SystemExit("bench/minimal_daemon.py did not start")
+    return proc
 
 
 def main() -> None:

@@ -34,6 +34,8 @@ from sandman_ray import DaemonClient
 from sandman_ray.bundle import ensure_bundle
 from sandman_ray.providers.bwrap import BwrapSandbox
 
+import minimal_daemon  # bench/minimal_daemon.py
+
 ROOT = Path(__file__).resolve().parent.parent
 DAEMON = ROOT / "daemon" / "sandmand.py"
 # Every daemon and the floor get the environment a sandbox gets (the size of the
@@ -89,16 +91,6 @@ def start_host_daemon(listen: str, token: str):
     return proc, address
 
 
-def start_minimal_daemon(path: Path, procs: list) -> str:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "minimal_daemon.py"),
-                             str(path)], stdout=subprocess.PIPE, text=True)
-    procs.append(proc)
-    if proc.stdout.readline().strip() != "ready":
-        raise SystemExit("the minimal daemon did not start")
-    proc.stdout.close()
-    return "unix:%s" % path
-
-
 def percentile(samples, q):
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -125,7 +117,8 @@ def main() -> None:
                                env=SANDBOX_ENV)
         sandbox_token = sandbox.token
         clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
-        minimal = DaemonClient(start_minimal_daemon(tmp / "minimal.sock", procs), token)
+        procs.append(minimal_daemon.start(tmp / "minimal.sock"))
+        minimal = DaemonClient("unix:%s" % (tmp / "minimal.sock"), token)
 
         rows = {("floor", "posix_spawn true"): floor,
                 ("in-process", "captured spawn"): captured_spawn,

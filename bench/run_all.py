@@ -52,6 +52,7 @@ from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import minimal_daemon  # noqa: E402
 from local import create_and_exec, pss_kb  # noqa: E402  (bench/local.py)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,14 +158,9 @@ def noop(samples: int, rounds: int = 10) -> dict:
     bare = Bare.remote()
     swerex = SweRex()
     minimal_dir = Path(tempfile.mkdtemp(prefix="sandman-bench-"))
-    minimal = subprocess.Popen([sys.executable, str(ROOT / "bench" / "minimal_daemon.py"),
-                                str(minimal_dir / "minimal.sock")],
-                               stdout=subprocess.PIPE, text=True)
+    minimal = minimal_daemon.start(minimal_dir / "minimal.sock")
     minimal_addr = "unix:%s" % (minimal_dir / "minimal.sock")
     try:
-        if minimal.stdout.readline().strip() != "ready":
-            raise SystemExit("bench/minimal_daemon.py did not start")
-        minimal.stdout.close()
         client.run("true")
         ray.get(sb.run.remote("true"))  # both sessions open before timing
         rows: Dict[str, Callable[[], object]] = {

@@ -65,7 +65,7 @@ class _Held:
     new one when all are busy, and gives it back), those in use, when the pool last
     heard, and the calls started and in flight. Guarded by the host's lock."""
 
-    def __init__(self, lease, client: DaemonClient, lock: threading.Lock):
+    def __init__(self, lease, client: DaemonClient):
         self.lease, self.touched = lease, 0.0
         self.idle: List[DaemonClient] = [client]
         self.busy: Set[DaemonClient] = set()
@@ -144,7 +144,7 @@ class _HandleHost:
             self._tell_pool(lease.pool, "release", lease.lease_id)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
         with self.lock:
-            self.held[lease.lease_id] = _Held(lease, client, self.lock)
+            self.held[lease.lease_id] = _Held(lease, client)
         try:
             taken = self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
         except BaseException:

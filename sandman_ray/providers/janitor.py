@@ -111,13 +111,18 @@ def kill(pids) -> None:
             pass
 
 
-def kill_listed(procs_file: str) -> None:
-    """SIGKILL every pid a cgroup.procs file lists (a missing file lists none)."""
+def listed_pids(procs_file: str):
+    """The pids a cgroup.procs file lists (a missing file lists none)."""
     try:
         with open(procs_file) as fh:
-            kill(fh.read().split())
-    except OSError:
-        return
+            return [int(pid) for pid in fh.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def kill_listed(procs_file: str) -> None:
+    """SIGKILL every pid a cgroup.procs file lists."""
+    kill(listed_pids(procs_file))
 
 
 def remove_cgroup(path: str) -> None:

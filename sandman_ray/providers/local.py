@@ -201,18 +201,14 @@ def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list
     live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
     on their own), found by command line and in the sandboxes' cgroups; sandbox state
     directories; and cgroups. Empty lists once a pool is shut down."""
-    from sandman_ray.providers.janitor import sandbox_groups, sandbox_processes
+    from sandman_ray.providers.janitor import listed_pids, sandbox_groups, sandbox_processes
     pool_dir = Path(state_root) / pool
     processes = set(sandbox_processes(str(pool_dir) + "/",
                                       unless=b"sandman_ray.providers.janitor"))
     groups = agent_groups(pool)
     for group in groups:
         for leaf in sandbox_groups(group):
-            try:
-                with open(os.path.join(leaf, "cgroup.procs")) as fh:
-                    processes.update(int(pid) for pid in fh.read().split())
-            except OSError:
-                continue
+            processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
     # state_root/pool/<node>/<agent incarnation>/<sandbox id>
     directories = [str(d) for d in pool_dir.glob("*/*/*")
                    if d.is_dir() and not d.parent.name.endswith(".trash")]

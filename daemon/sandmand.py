@@ -9,7 +9,7 @@ beside this file: 4-byte big-endian length + one msgpack map per frame.
 Usage::
 
     sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT
-                [--token-file FILE]     (else the SANDMAN_TOKEN environment variable)
+                [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
                 [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
@@ -2591,7 +2591,8 @@ for _name, _kind in (
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv):
-    opts = {"listen": None, "token_file": None, "workdir": None, "ready_fd": None,
+    opts = {"listen": None, "token_file": None, "token_fd": None, "workdir": None,
+            "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
             "user": None, "limits": "", "socket_mode": "0600"}
     it = iter(argv)
@@ -2615,6 +2616,9 @@ def main(argv=None):
     if opts["token_file"]:
         with open(opts["token_file"], "r") as fh:
             token = fh.read().strip()
+    elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
+        with os.fdopen(int(opts["token_fd"]), "rb") as fh:
+            token = fh.read(4096).decode("ascii", "replace").strip()
     else:
         token = os.environ.get("SANDMAN_TOKEN", "")
     for key in [k for k in os.environ if k.startswith("SANDMAN_")]:

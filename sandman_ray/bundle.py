@@ -186,6 +186,11 @@ def build(dest: Path, mount: str = DEFAULT_MOUNT, python: Path = None) -> Path:
                 path.chmod(0o755)
             elif path.is_file():
                 path.chmod(0o755 if os.access(path, os.X_OK) else 0o644)
+        # ...but the interpreter only executable: a process that runs a program it may
+        # not read is not dumpable and belongs, for ptrace, to the namespace of the
+        # file's owner, so no sandbox process can read the daemon's memory or its
+        # /proc files (token theft through /proc/1/mem)
+        (work / "bin" / "python3").chmod(0o711)
         if dest.exists():
             shutil.rmtree(dest)
         work.rename(dest)

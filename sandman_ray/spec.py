@@ -69,6 +69,8 @@ class SandboxSpec:
     cpu: CPU cores the sandbox may use (a quota; None: no limit).
     memory: memory limit, bytes or a size such as ``"512Mi"`` (None: no limit).
     pids: most processes at once (None: no limit).
+    disk: most bytes the sandbox's writable layer may hold, bytes or a size such as
+        ``"2Gi"``; past it, writes fail with ENOSPC (None: the provider's default).
     env: variables set for the daemon and every command, over the image's own.
     workdir: the working directory of commands (default: the image's, else ``/``).
     network: False gives the sandbox only a loopback interface; True shares the host's.
@@ -83,6 +85,7 @@ class SandboxSpec:
     cpu: Optional[float] = None
     memory: Optional[Union[int, str]] = None
     pids: Optional[int] = None
+    disk: Optional[Union[int, str]] = None
     env: Dict[str, str] = field(default_factory=dict)
     workdir: Optional[str] = None
     network: bool = False
@@ -98,6 +101,7 @@ class SandboxSpec:
         if self.cpu is not None and (isinstance(self.cpu, bool) or not self.cpu > 0):
             raise ValueError("SandboxSpec.cpu must be a positive number of cores, got %r" % (self.cpu,))
         object.__setattr__(self, "memory", parse_bytes(self.memory, "SandboxSpec.memory"))
+        object.__setattr__(self, "disk", parse_bytes(self.disk, "SandboxSpec.disk"))
         if self.pids is not None and (isinstance(self.pids, bool) or not isinstance(self.pids, int)
                                       or self.pids < 1):
             raise ValueError("SandboxSpec.pids must be a positive int, got %r" % (self.pids,))
@@ -141,8 +145,8 @@ class SandboxSpec:
 
     def key(self) -> tuple:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
-        return (self.image, self.cpu, self.memory, self.pids, tuple(sorted(self.env.items())),
-                self.workdir, self.network, self.user)
+        return (self.image, self.cpu, self.memory, self.pids, self.disk,
+                tuple(sorted(self.env.items())), self.workdir, self.network, self.user)
 
 
 @dataclass

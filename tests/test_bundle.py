@@ -122,4 +122,4 @@ def test_a_group_without_limits_that_cannot_be_joined_does_not_stop_the_sandbox(
             assert client.exec("echo up").stdout == b"up\n"
     finally:
         (refusing / "cgroup.procs").rmdir()  # a real group's files go with it, these not
-        sandbox.remove(tmp_path / "trash")
+        sandbox.remove()

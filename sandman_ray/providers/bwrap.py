@@ -2,18 +2,28 @@
 
 The process chain, per sandbox (recipes measured in PLATFORM.md)::
 
-    unshare --mount --propagation private  /bin/sh -c LAUNCH
-        join the sandbox's cgroups; mount the overlay (image lower, per-sandbox upper)
-        exec bwrap --bind MERGED / --ro-bind BUNDLE /.sandman --bind RUN /run/sandman
-                   --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
-                   --cap-drop ALL --cap-add (a container's default set)
-                   --seccomp FD (providers/seccomp.py) ...
+    unshare --mount --propagation private  /bin/sh -c LAUNCH          (host root)
+        join the sandbox's cgroups
+        mount a tmpfs over the state root (size-limited, nosuid, nodev, owned by the
+            sandbox's id range): the writable layer, and all of this host's state
+            that the sandbox's setup can see
+        mount the overlay (lower: the image, idmapped to the range; upper: that tmpfs)
+        bind the sandbox's run directory and the daemon bundle into it
+        exec nsenter --user=RANGE'S NAMESPACE        (root inside = the range's first id)
+          bwrap --bind ROOT / --ro-bind BUNDLE /.sandman --bind RUN /run/sandman
+                --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
+                --ro-bind /proc/sys /proc/sys --cap-drop ALL --cap-add (a container's
+                default set) --seccomp FD (providers/seccomp.py) ...
             /.sandman/bin/sandmand --listen unix:/run/sandman/sock ...   (PID 1 inside)
 
-The overlay is mounted in a private mount namespace, so it vanishes with the sandbox:
-no mount can leak. bwrap dies with its parent (the node agent) and takes the whole pid
-namespace with it, so no process can outlive the agent. Reset drops the writable layer
-and starts the daemon again on the same image.
+Every mount is made in a private mount namespace, so it vanishes with the sandbox: no
+mount can leak, and the writable layer (a tmpfs) is gone with it. bwrap dies with its
+parent (the node agent) and takes the whole pid namespace with it, so no process can
+outlive the agent. Reset starts the chain again: a fresh layer, a fresh daemon.
+
+The tmpfs over the state root is there because the sandbox's setup runs as the range's
+root, which the host's 0700 state and cache roots keep out: it sees this sandbox's
+directories at their usual paths, and nothing of the other sandboxes.
 """
 
 import asyncio
@@ -23,8 +33,8 @@ import secrets
 import select
 import shutil
 import signal
+import stat
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -33,6 +43,7 @@ from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
 from sandman_ray.providers import seccomp
+from sandman_ray.providers.userns import IdRange, detached_tree
 from sandman_ray.spec import SandboxSpec
 
 SOCKET_DIR = "/run/sandman"
@@ -47,12 +58,77 @@ CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW",
 _LAUNCH = r"""
 for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
 for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
-if [ -n "$1" ]; then
-    mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 98
+lower=$1 st=$2 view=$3 base=$4 size=$5 userns=$6 bundle=$7 mode=$8
+shift 8
+exec 5<"$st/run" 6<"$bundle"
+mount -t tmpfs -o "nosuid,nodev,mode=0755,size=$size${base:+,uid=$base,gid=$base}" \
+    sandman-layer "$view" || exit 98
+install -d ${base:+-o $base -g $base} "$st/root" "$st/run" "$st/bundle" "$st/work" &&
+    install -d -m "$mode" ${base:+-o $base -g $base} "$st/upper" || exit 98
+if [ -n "$lower" ]; then
+    mount -t overlay -o "nosuid,nodev,lowerdir=$lower,upperdir=$st/upper,workdir=$st/work" \
+        overlay "$st/root" || exit 98
 fi
-shift 4
+mount -c --bind /proc/self/fd/5 "$st/run" && mount -c --bind /proc/self/fd/6 "$st/bundle" \
+    || exit 98
+exec 5<&- 6<&- </dev/null
+[ -z "$userns" ] || exec nsenter --user="$userns" "$@"
 exec "$@"
 """
+# A sandbox's writable layer when neither its spec nor its pool sets a disk limit.
+DEFAULT_DISK = 4 * 2 ** 30
+
+
+def _token_pipe(token: str) -> int:
+    """The read end of a pipe holding ``token``: the daemon reads it at start, so the
+    token is in no file, no command line and no environment."""
+    read, write = os.pipe()
+    try:
+        os.write(write, token.encode())
+    finally:
+        os.close(write)
+    return read
+
+
+def secure_root(path: Path) -> Path:
+    """``path`` as a state or cache root: made 0700 if missing; one that exists must be
+    a directory of this user, whose ancestors no one else may rename it in. One that
+    another user made, or a link, is refused: whoever controls it controls the
+    sandboxes' layers or images."""
+    path = Path(os.path.abspath(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ProviderError("state or cache root %s is not a directory (a link?): refused"
+                            % path, "fatal")
+    if st.st_uid != os.geteuid():
+        raise ProviderError("state or cache root %s belongs to uid %d, not to this agent's "
+                            "uid %d: refused" % (path, st.st_uid, os.geteuid()), "fatal")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    for ancestor in path.parents:
+        mode = os.stat(ancestor)
+        if mode.st_uid not in (0, os.geteuid()) or (
+                mode.st_mode & 0o022 and not mode.st_mode & stat.S_ISVTX):
+            raise ProviderError("state or cache root %s: %s may be changed by another user "
+                                "(uid %d, mode %o): refused"
+                                % (path, ancestor, mode.st_uid, stat.S_IMODE(mode.st_mode)),
+                                "fatal")
+    return path
+
+
+def view_root(state_root: Path) -> Path:
+    """Where a sandbox's launch mounts its tmpfs: over the state root, or over the
+    highest of its ancestors that others cannot search (the sandbox's setup, as the
+    range's root, must reach the paths it is shown)."""
+    for ancestor in reversed(Path(state_root).parents):
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return Path(state_root)
 
 
 def _filter_pipe() -> Optional[int]:
@@ -213,18 +289,25 @@ def rlimits(spec: SandboxSpec, applied: Dict[str, str]) -> List[str]:
 class SandboxProcess:
     """A sandbox's process chain and its state directory::
 
-        state_dir/run/sock     the daemon's socket (bound at /run/sandman)
-        state_dir/upper, work  the overlay's writable layer
-        state_dir/root         the overlay's mount point (inside the chain's namespace)
+        state_dir/run/sock     the daemon's socket (bound at /run/sandman); the only
+                               part on the host's disk, owned by the sandbox's root
+        state_dir/upper, work  the overlay's writable layer  } on the chain's tmpfs,
+        state_dir/root         the overlay's mount point     } seen by nothing else
+
+    ``view_root`` is the state root the chain's tmpfs is mounted over. ``ids`` is the
+    sandbox's range of host ids (providers/userns.py); None runs it without a user
+    namespace, as host root with a reduced capability set.
 
     ``launch`` starts it; ``wait_ready`` (async) or ``wait_ready_blocking`` waits until
-    the daemon listens; ``kill`` stops everything; ``discard_layer`` drops the writes.
+    the daemon listens; ``kill`` stops everything, the writable layer with it.
     """
 
     def __init__(self, sandbox_id: str, image: PreparedImage, bundle: Path, state_dir: Path,
-                 spec: SandboxSpec, cgroup_group: Optional[str] = None, hostname: str = ""):
+                 spec: SandboxSpec, cgroup_group: Optional[str] = None, hostname: str = "",
+                 ids: Optional[IdRange] = None, view_root: Optional[Path] = None):
         self.sandbox_id, self.image, self.bundle = sandbox_id, image, Path(bundle)
-        self.state_dir, self.spec = Path(state_dir), spec
+        self.state_dir, self.spec, self.ids = Path(state_dir), spec, ids
+        self.view_root = Path(view_root) if view_root is not None else self.state_dir.parent
         self.hostname = hostname or sandbox_id[:63]
         self.cgroups = Cgroups(cgroup_group) if cgroup_group else None
         self.token = secrets.token_hex(16)
@@ -295,11 +378,17 @@ class SandboxProcess:
                 args += ["--ro-bind", path, path]
         return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
 
-    def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None) -> List[str]:
+    def _id_inside(self, host_id: int) -> int:
+        return host_id if self.ids is None else self.ids.host_id(host_id)
+
+    def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None,
+             lower_fd: Optional[int] = None, token_fd: Optional[int] = None) -> List[str]:
         bwrap = ["bwrap"] + self._root_args() + [
-            "--ro-bind", str(self.bundle), DEFAULT_MOUNT,
+            "--ro-bind", str(self.state_dir / "bundle"), DEFAULT_MOUNT,
             "--bind", str(self.state_dir / "run"), SOCKET_DIR,
-            "--proc", "/proc", "--dev", "/dev",
+            # bwrap leaves /proc/sys writable for a root without its own user
+            # namespace; in every mode it is the host's, read-only
+            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--hostname", self.hostname, "--die-with-parent", "--new-session",
             "--cap-drop", "ALL"]
@@ -318,53 +407,66 @@ class SandboxProcess:
         workdir = self._workdir()
         bwrap += ["--chdir", workdir] + daemon_argv() + [
             "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
-            "--ready-fd", str(ready_fd),
+            "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
         if user:
             bwrap += ["--user", user]
-        if self.image.rootfs is not None:
-            layers = [str(self.image.rootfs), str(self.state_dir / "upper"),
-                      str(self.state_dir / "work"), str(self.state_dir / "root")]
-        else:
-            layers = ["", "", "", ""]
+        launch = ["/proc/self/fd/0" if lower_fd is not None else "",
+                  str(self.state_dir), str(self.view_root),
+                  str(self.ids.base) if self.ids else "", str(self.spec.disk or DEFAULT_DISK),
+                  self.ids.userns_path if self.ids else "", str(self.bundle),
+                  "1777" if self.image.rootfs is None else "0755"]
         return (rlimits(self.spec, self.applied) +
                 ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", _LAUNCH,
-                 "sandman-launch"] + layers + bwrap)
+                 "sandman-launch"] + launch + bwrap)
 
     def launch(self) -> None:
         """Start the chain (from a thread that lives as long as the sandbox should:
         bwrap dies with its parent thread)."""
-        for sub in ("run", "upper", "work", "root"):
-            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
-        (self.state_dir / "upper").chmod(0o1777 if self.image.rootfs is None else 0o755)
+        run = self.state_dir / "run"
+        if run.exists():  # a reset: nothing the last tenant left here stays
+            shutil.rmtree(run)
+        run.mkdir(mode=0o700, parents=True)
         user = self._user()
-        if user:
-            uid, _, gid = user.partition(":")
-            os.chown(self.state_dir / "run", int(uid), int(gid or uid))
+        uid, _, gid = (user or "0:0").partition(":")
+        os.chown(run, self._id_inside(int(uid)), self._id_inside(int(gid or uid)))
         if self.cgroups is not None and not self.cgroups.dirs:
             self.cgroups.create(self.spec)
         self.applied = dict(self.cgroups.applied) if self.cgroups else {}
         ready_r, ready_w = os.pipe()
         filter_r = _filter_pipe()
-        env = dict(self._environment(), SANDMAN_TOKEN=self.token)
+        lower_fd = self._lower()
+        self.token = secrets.token_hex(16)  # a new credential for every start
+        token_fd = _token_pipe(self.token)
+        env = self._environment()
         groups = self.cgroups or Cgroups("")
         env["SANDMAN_CGROUP_PROCS"] = " ".join(groups.procs_files(tracking=False))
         env["SANDMAN_CGROUP_TRACK"] = " ".join(groups.procs_files(tracking=True))
+        passed = [fd for fd in (ready_w, filter_r, token_fd) if fd is not None]
         try:
+            # the lower layer is the chain's stdin until the overlay is mounted
             self.proc = subprocess.Popen(
-                self.argv(ready_w, filter_r), env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(ready_w,) if filter_r is None else (ready_w, filter_r),
+                self.argv(ready_w, filter_r, lower_fd, token_fd), env=env,
+                stdin=subprocess.DEVNULL if lower_fd is None else lower_fd,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=passed,
                 start_new_session=True)
         except BaseException:
             os.close(ready_r)
             raise
         finally:
-            os.close(ready_w)
-            if filter_r is not None:
-                os.close(filter_r)
+            for fd in passed + ([lower_fd] if lower_fd is not None else []):
+                os.close(fd)
         self.ready_fd = ready_r
         self.started_at = time.time()
+
+    def _lower(self) -> Optional[int]:
+        """The image's rootfs as a descriptor for the overlay's lower layer (the chain
+        hides the host's paths): idmapped to the sandbox's range when it has one."""
+        if self.image.rootfs is None:
+            return None
+        if self.ids is not None:
+            return self.ids.idmapped(self.image.rootfs)
+        return detached_tree(self.image.rootfs)
 
     def _take_ready_fd(self) -> int:
         """The ready pipe, owned by the caller from here on: a ``kill`` meanwhile (from
@@ -456,37 +558,13 @@ class SandboxProcess:
         if self.ready_fd is not None:
             os.close(self.ready_fd)
             self.ready_fd = None
-        try:
-            (self.state_dir / "run" / "sock").unlink()
-        except FileNotFoundError:
-            pass
 
-    def discard_layer(self, trash: Path) -> None:
-        """Move the writable layer aside (milliseconds; deleted later off the hot path)
-        so the next launch starts from the image as it is."""
-        trash.mkdir(parents=True, exist_ok=True)
-        for sub in ("upper", "work"):
-            path = self.state_dir / sub
-            if path.exists():
-                path.rename(trash / ("%s-%s-%s" % (self.sandbox_id, sub, secrets.token_hex(4))))
-
-    def remove(self, trash: Path) -> None:
+    def remove(self) -> None:
         """Everything the sandbox left on the host: state directory and cgroups."""
         self.kill()
-        self.discard_layer(trash)
         if self.cgroups is not None:
             self.cgroups.remove()
         shutil.rmtree(self.state_dir, ignore_errors=True)
-
-
-def empty_trash(trash: Path) -> threading.Thread:
-    """Delete discarded layers in a background thread."""
-    def run():
-        for entry in list(trash.iterdir()) if trash.exists() else ():
-            shutil.rmtree(entry, ignore_errors=True)
-    thread = threading.Thread(target=run, name="sandman-trash", daemon=True)
-    thread.start()
-    return thread
 
 
 class BwrapSandbox:
@@ -513,5 +591,4 @@ class BwrapSandbox:
         return self.process.wait_ready_blocking(timeout)
 
     def stop(self) -> None:
-        self.process.remove(self.state_dir.parent / (self.state_dir.name + ".trash"))
-        shutil.rmtree(self.state_dir.parent / (self.state_dir.name + ".trash"), ignore_errors=True)
+        self.process.remove()

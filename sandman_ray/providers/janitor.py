@@ -70,7 +70,6 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
             break
         time.sleep(0.05)
     shutil.rmtree(state_dir, ignore_errors=True)
-    shutil.rmtree(state_dir + ".trash", ignore_errors=True)
     parent = state_dir
     for _ in range(2):  # the node's and the pool's directories, once they are empty
         parent = os.path.dirname(parent)

@@ -29,6 +29,9 @@ __all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
 
 DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
 DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
+# Lock files of the uid ranges that sandboxes of this host hold (providers/userns.py):
+# one place for every pool and state root, on a tmpfs that a reboot empties.
+RANGE_LOCKS = "/run/sandman-ray/id-ranges"
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -36,20 +39,31 @@ class NodeAgent:
     """Starts, resets and deletes the sandboxes of one pool on one node."""
 
     def __init__(self, pool: str, node_id: str, state_root: str, cache_root: str,
-                 prefer_tools: bool = True, ready_timeout_s: float = 30.0):
+                 prefer_tools: bool = True, ready_timeout_s: float = 30.0,
+                 user_namespaces: bool = True):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
+        from sandman_ray.providers.bwrap import secure_root, view_root
+        from sandman_ray.providers.userns import Ranges, supported
         self.pool, self.node_id, self.ready_timeout_s = pool, node_id, ready_timeout_s
+        self.state_root = secure_root(Path(state_root))
+        self.view_root = view_root(self.state_root)
+        cache = secure_root(Path(cache_root))
         # a directory per incarnation: the janitor of a dead agent of this pool and node
         # kills and removes what names its own directory, never the next agent's
-        self.state = Path(state_root) / pool / node_id[:16] / secrets.token_hex(4)
-        self.trash = self.state.parent / (self.state.name + ".trash")
+        self.state = self.state_root / pool / node_id[:16] / secrets.token_hex(4)
         self.cgroup_parent = "sandman/" + agent_group(pool, node_id, self.state.name)
         self._remove_leftovers()
         self.state.mkdir(parents=True, exist_ok=True)
         self.janitor = self._start_janitor()
-        self.bundle = ensure_bundle(Path(cache_root) / "bundle")
-        self.images = ImageCache(Path(cache_root) / "images", prefer_tools=prefer_tools)
+        self.bundle = ensure_bundle(cache / "bundle")
+        self.images = ImageCache(cache / "images", prefer_tools=prefer_tools)
+        why_not = supported() if user_namespaces else "user_namespaces=False"
+        self.ranges = Ranges(RANGE_LOCKS) if why_not is None else None
+        if why_not is not None and user_namespaces:
+            logger.warning("pool %s: sandboxes on node %s run without a user namespace "
+                           "(root inside is host root with fewer capabilities): %s",
+                           pool, node_id[:12], why_not)
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
         self.labels: Dict[str, Dict[str, str]] = {}
         self.creating = SingleFlight()  # a retried create joins the one in flight
@@ -91,22 +105,27 @@ class NodeAgent:
             raise
         except (OSError, ValueError) as exc:
             raise fatal("image %r: %s" % (spec.image, exc)) from exc
+        try:
+            ids = self.ranges.take(sandbox_id) if self.ranges is not None else None
+        except OSError as exc:
+            raise transient("sandbox %s: no uid range: %s" % (sandbox_id, exc)) from exc
         sandbox = SandboxProcess(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
-                                 cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id))
+                                 cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
+                                 ids=ids, view_root=self.view_root)
         try:
             sandbox.launch()  # on the loop's thread, which lives as long as this actor
             await sandbox.wait_ready(self.ready_timeout_s)
         except SandboxLost as exc:
-            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            await self._remove(sandbox)
             raise transient(str(exc)) from exc
         except OSError as exc:
-            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            await self._remove(sandbox)
             raise fatal("sandbox %s cannot start: %s" % (sandbox_id, exc)) from exc
         except ProviderError:
-            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            await self._remove(sandbox)
             raise
         if self.closed:  # shut down while it started: nothing of it may stay
-            await loop.run_in_executor(None, sandbox.remove, self.trash)
+            await self._remove(sandbox)
             raise fatal("the agent of pool %s on node %s was shut down during the create of %s"
                         % (self.pool, self.node_id, sandbox_id))
         self.sandboxes[sandbox_id] = sandbox
@@ -121,36 +140,35 @@ class NodeAgent:
             details={"image": sandbox.image.image, "spec": sandbox.spec,
                      "digest": sandbox.image.digest,
                      "unpacked_by": sandbox.image.unpacked_by, "limits": dict(sandbox.applied),
-                     "alive": sandbox.alive, "pid": sandbox.proc.pid if sandbox.proc else None})
+                     "alive": sandbox.alive, "pid": sandbox.proc.pid if sandbox.proc else None,
+                     # root inside is this host uid and gid (None: host root)
+                     "host_root_id": sandbox.ids.base if sandbox.ids else None})
 
     async def delete(self, sandbox_id: str) -> None:
         sandbox = self.sandboxes.pop(sandbox_id, None)
         self.labels.pop(sandbox_id, None)
         if sandbox is not None:
-            await asyncio.get_running_loop().run_in_executor(None, sandbox.remove, self.trash)
-            self._empty_trash()
+            await self._remove(sandbox)
+
+    async def _remove(self, sandbox) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, sandbox.remove)
+        if self.ranges is not None:
+            self.ranges.give_back(sandbox.sandbox_id)
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
-        """Kill the sandbox's processes, drop its writable layer, start its daemon again
-        on the same image; answer when the daemon listens."""
+        """Kill the sandbox's processes (its writable layer goes with them), start it
+        again on the same image with a new token; answer when the daemon listens."""
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
         sandbox.kill()
-        sandbox.discard_layer(self.trash)
         try:
             sandbox.launch()
             await sandbox.wait_ready(self.ready_timeout_s)
         except (SandboxLost, OSError) as exc:
             await self.delete(sandbox_id)
             raise transient("sandbox %s did not come back from reset: %s" % (sandbox_id, exc))
-        self._empty_trash()
         return self._info(sandbox_id)
-
-    def _empty_trash(self) -> None:
-        from sandman_ray.providers.bwrap import empty_trash
-        if self.trash.exists() and any(self.trash.iterdir()):
-            empty_trash(self.trash)
 
     async def probe(self, sandbox_id: str) -> None:
         """Ping and ``exec true`` through the sandbox's socket, from this node."""
@@ -172,6 +190,8 @@ class NodeAgent:
         from sandman_ray.providers.janitor import clean
         await asyncio.get_running_loop().run_in_executor(
             None, clean, str(self.state), self.cgroup_dirs, 0.0)
+        if self.ranges is not None:
+            self.ranges.close()
         return len(ids)
 
 
@@ -210,8 +230,7 @@ def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list
         for leaf in sandbox_groups(group):
             processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
     # state_root/pool/<node>/<agent incarnation>/<sandbox id>
-    directories = [str(d) for d in pool_dir.glob("*/*/*")
-                   if d.is_dir() and not d.parent.name.endswith(".trash")]
+    directories = [str(d) for d in pool_dir.glob("*/*/*") if d.is_dir()]
     return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
 
 
@@ -222,6 +241,10 @@ class LocalProvider(NodeAgentProvider):
     cache_root: where each node keeps its daemon bundle and unpacked images.
     prefer_tools: unpack with umoci/skopeo when installed (else the built-in applier).
     ready_timeout_s: how long a new sandbox's daemon may take to listen.
+    user_namespaces: give each sandbox its own user namespace, root inside mapped to an
+        unprivileged range of host ids (the default; needs the agent to run as root).
+        False, or an agent that cannot, runs sandboxes as host root with a reduced
+        capability set.
     """
 
     supports_reset = True
@@ -229,14 +252,15 @@ class LocalProvider(NodeAgentProvider):
 
     def __init__(self, state_root: str = DEFAULT_STATE_ROOT,
                  cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
-                 ready_timeout_s: float = 30.0):
+                 ready_timeout_s: float = 30.0, user_namespaces: bool = True):
         super().__init__()
         self.state_root, self.cache_root = state_root, cache_root
         self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
+        self.user_namespaces = user_namespaces
 
     def agent_class(self):
         return NodeAgent
 
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
-                self.ready_timeout_s)
+                self.ready_timeout_s, self.user_namespaces)

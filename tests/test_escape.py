@@ -1,0 +1,156 @@
+"""The escape suite: attacks a hostile agent would try from inside a LocalProvider
+sandbox, through the daemon a lease talks to, each asserted to fail with the host
+unchanged. SECURITY.md lists every attack with what stops it.
+
+Sandboxes are real: bwrap on a local Ray, the ``host`` image (a read-only view of this
+machine) and a busybox rootfs, each in a user namespace of its own."""
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import uuid
+
+import pytest
+
+from conftest import Sandbox
+
+IMAGES = ("host", "busybox")
+
+
+@pytest.fixture(scope="module")
+def provider(local_provider):
+    return local_provider
+
+
+@pytest.fixture(scope="module")
+def boxes(provider, busybox_rootfs):
+    """One sandbox of each image, shared by the attacks that do not spoil it."""
+    with Sandbox(provider, "host") as host, \
+            Sandbox(provider, "dir:%s" % busybox_rootfs) as busybox:
+        yield {"host": host, "busybox": busybox}
+
+
+def sh(sb, cmd: str) -> str:
+    r = sb.client.exec(["/bin/sh", "-c", cmd])
+    return (r.stdout + r.stderr).decode()
+
+
+def daemon_pid(sb) -> int:
+    """The host pid of the sandbox's daemon (PID 1 inside): the descendant of its
+    launch chain whose command line names sandmand."""
+    todo = [sb.info.details["pid"]]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as fh:
+                cmdline = fh.read()
+            if b"sandmand" in cmdline and not cmdline.startswith(b"bwrap"):
+                return pid
+            with open("/proc/%d/task/%d/children" % (pid, pid)) as fh:
+                todo += [int(c) for c in fh.read().split()]
+        except OSError:
+            continue
+    raise AssertionError("no daemon under %s" % sb.info.details["pid"])
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_root_inside_is_an_unprivileged_range_of_host_ids(boxes, image):
+    sb = boxes[image]
+    base = sb.info.details["host_root_id"]
+    assert base is not None and base >= 1 << 30
+    with open("/proc/%d/status" % daemon_pid(sb)) as fh:
+        ids = dict(line.split(":", 1) for line in fh)
+    assert ids["Uid"].split() == [str(base)] * 4 and ids["Gid"].split() == [str(base)] * 4
+    assert sh(sb, "id -u; id -g") == "0\n0\n"  # and yet root as the sandbox sees it
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_proc_sys_cannot_be_written(boxes, image):
+    before = open("/proc/sys/kernel/core_pattern").read()
+    out = sh(boxes[image], "echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern; echo rc=$?; "
+                           "echo 1 > /proc/sys/vm/drop_caches; echo rc=$?")
+    assert "rc=0" not in out and out.count("Read-only file system") == 2
+    assert open("/proc/sys/kernel/core_pattern").read() == before
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_a_setuid_root_binary_made_inside_gives_no_one_root_on_the_host(boxes, image):
+    """The attack of a sandbox whose root is host root: copy a shell, make it setuid
+    root, run it from the host as nobody. Here the copy belongs to the range (and its
+    filesystem is nosuid): run as nobody, it is not root."""
+    sb = boxes[image]
+    shell = "/bin/busybox" if image == "busybox" else "/bin/dash"
+    name = "/tmp/suid-%s" % uuid.uuid4().hex[:6]
+    out = sh(sb, "cp %s %s && chown 0:0 %s && chmod 4755 %s && echo made" % ((shell, name) +
+                                                                            (name,) * 2))
+    assert "made" in out
+    # as it would land on the host: copied out with its owner and mode
+    where = tempfile.mkdtemp(prefix="sandman-landed-")
+    os.chmod(where, 0o755)
+    landed = os.path.join(where, "busybox")  # the name busybox needs to pick its applet
+    subprocess.run(["cp", "-a", "/proc/%d/root%s" % (daemon_pid(sb), name), landed], check=True)
+    try:
+        st = os.stat(landed)
+        assert st.st_uid == sb.info.details["host_root_id"] and st.st_mode & stat.S_ISUID
+        argv = [landed] + (["sh"] if image == "busybox" else []) + ["-c", "id -u"]
+        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
+                            "--clear-groups"] + argv, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.strip() in ("65534", str(st.st_uid)), r
+    finally:
+        shutil.rmtree(where)
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_files_made_inside_belong_to_the_range_on_the_host(boxes, image):
+    sb = boxes[image]
+    base = sb.info.details["host_root_id"]
+    sh(sb, "touch /run/sandman/mine /tmp/mine && chown 1000:1000 /tmp/mine")
+    run_dir = os.path.dirname(sb.info.address.partition(":")[2])
+    assert os.stat(os.path.join(run_dir, "mine")).st_uid == base
+    assert os.stat("/proc/%d/root/tmp/mine" % daemon_pid(sb)).st_uid == base + 1000
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_device_nodes_cannot_be_made(boxes, image):
+    out = sh(boxes[image], "mknod /tmp/mem c 1 1; echo rc=$?; head -c 1 /tmp/mem; echo rc=$?")
+    assert "Operation not permitted" in out and "rc=0" not in out
+
+
+def test_the_host_image_shows_only_what_any_user_may_read(boxes, tmp_path_factory):
+    """``host`` is a read-only view of this machine: root inside has no say over the
+    host's files, so /etc/shadow and a 0600 file in a 0700 directory stay closed."""
+    secret_dir = "/var/tmp/sandman-secret-%s" % uuid.uuid4().hex[:6]
+    os.mkdir(secret_dir, 0o700)
+    try:
+        with open(os.path.join(secret_dir, "key"), "w") as fh:
+            fh.write("hunter2")
+        os.chmod(os.path.join(secret_dir, "key"), 0o600)
+        out = sh(boxes["host"], "cat /etc/shadow; echo rc=$?; cat %s/key; echo rc=$?; "
+                                "ls %s; echo rc=$?" % (secret_dir, secret_dir))
+        assert "root:" not in out and "hunter2" not in out and "rc=0" not in out
+        assert out.count("Permission denied") == 3
+    finally:
+        subprocess.run(["rm", "-rf", secret_dir])
+
+
+def test_new_user_namespaces_are_refused(boxes):
+    out = sh(boxes["host"], "unshare -U -r id; echo rc=$?; unshare -m true; echo rc=$?")
+    assert "rc=0" not in out
+
+
+def test_host_processes_cannot_be_signalled_or_traced(boxes):
+    """No pid of the host is visible inside; the sandbox's root (a range id) would
+    have no right over host root's processes even if it could name them."""
+    me = os.getpid()
+    out = sh(boxes["host"], "kill -0 %d; echo rc=$?; kill -9 -1; echo rc=$?" % me)
+    assert "rc=0\n" not in out.split("kill -9")[0] and os.getpid() == me
+    assert "No such process" in out
+
+
+def test_the_token_is_not_in_the_daemons_environment(boxes):
+    sb = boxes["busybox"]
+    assert sb.info.token.encode() not in open("/proc/%d/environ" % daemon_pid(sb), "rb").read()
+    out = sh(sb, "cat /proc/1/environ; echo; cat /proc/1/cmdline")
+    assert sb.info.token not in out

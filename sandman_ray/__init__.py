@@ -14,7 +14,7 @@ from sandman_ray.client import (
     AsyncDaemonClient, DaemonClient, ExecResult, FileStat, ProcessOutput, ProcessStatus)
 from sandman_ray.errors import (
     AcquireTimeout, AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout,
-    ProtocolError, ProviderError, SandboxLost, SandmanError)
+    LeaseEnded, LeaseNotHeld, ProtocolError, ProviderError, SandboxLost, SandmanError)
 from sandman_ray.providers.docker import DockerProvider
 from sandman_ray.providers.kubernetes import KubernetesProvider
 from sandman_ray.providers.local import LocalProvider
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcquireTimeout", "AsyncDaemonClient", "AuthError", "CallTimeout", "ConnectionLost",
     "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat",
-    "KubernetesProvider", "LocalProvider",
+    "KubernetesProvider", "LeaseEnded", "LeaseNotHeld", "LocalProvider",
     "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
     "SandboxHandle", "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
     "get_pool", "release", "release_async", "sandbox", "shutdown_pool",

@@ -58,6 +58,24 @@ class SandboxLost(SandmanError):
     """The sandbox or its daemon is gone (deleted, crashed, its node removed)."""
 
 
+class LeaseEnded(SandboxLost):
+    """The lease this handle names is over (released, reclaimed for its TTL or for
+    idleness, ended by a pool restart or shutdown): its sandbox may already serve
+    someone else, so nothing more runs through this handle. ``reason`` says why."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.reason))
+
+
+class LeaseNotHeld(SandmanError):
+    """A call that acts on a lease (release, touch, register) came from someone who
+    does not hold it, and was refused."""
+
+
 class AcquireTimeout(SandmanError, TimeoutError):
     """No sandbox could be leased within the acquire timeout."""
 

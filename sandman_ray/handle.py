@@ -24,6 +24,7 @@ on it and raise SandboxLost instead of Ray's actor errors, and it tells the pool
 end the old incarnation's leases.
 """
 
+import collections
 import threading
 import time
 import warnings
@@ -34,7 +35,8 @@ import ray
 
 from sandman_ray.client import DaemonClient
 from sandman_ray.daemon.sandmand import CodecError, pack, unpack
-from sandman_ray.errors import CallTimeout, ConnectionLost, DaemonError, ExecTimeout, SandboxLost
+from sandman_ray.errors import (
+    AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
 
 # The daemon operations a handle forwards (see sandman_ray.client for their arguments).
@@ -58,6 +60,7 @@ HOST_THREADS = 256
 CONTROL_THREADS = 64
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
+ENDED_KEPT = 100000  # ended leases a host remembers, to say why a late call is refused
 
 
 class _Held:
@@ -87,6 +90,8 @@ class _HandleHost:
         self.binding: Set[str] = set()  # leases whose bind is under way
         self.dropped: Set[str] = set()  # of those, the ones released meanwhile
         self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
+        # lease id -> why it ended, oldest first (bounded)
+        self.ended: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         self.restarted = _reconstructed()
         if self.restarted:
             self._tell_pools_of_restart()
@@ -165,12 +170,25 @@ class _HandleHost:
         with self.lock:
             return self._take(lease_id)
 
-    def _take(self, lease_id: str) -> Optional[_Held]:
-        """Stop holding ``lease_id`` (the caller holds the lock)."""
+    def _take(self, lease_id: str, reason: str = "released by its holder") -> Optional[_Held]:
+        """Stop holding ``lease_id`` (the caller holds the lock); later calls on it
+        raise LeaseEnded with ``reason``."""
         held = self.held.pop(lease_id, None)
         if held is not None:
             held.ended = True
+        self.ended[lease_id] = reason
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
         return held
+
+    @ray.method(concurrency_group="control")
+    def lease_ended(self, lease_id: str, reason: str) -> None:
+        """The pool ended ``lease_id`` (its TTL, idleness, a release by the pool's own
+        decision, a restart, a shutdown): stop forwarding, close its connections."""
+        with self.lock:
+            if lease_id in self.binding:
+                self.dropped.add(lease_id)
+        self._lease_over(lease_id, reason)
 
     def _end(self, held: Optional[_Held]) -> None:
         """Close what a lease that is no longer held kept open: idle connections now,
@@ -206,10 +224,10 @@ class _HandleHost:
                 self.dropped.add(lease_id)  # its bind releases it once registered
         if held is None:
             if not binding and pool is not None:
-                self._tell_pool(pool, "release", lease_id)
+                self._tell_pool(pool, "release", lease_id, self.name)
             return False
         self._end(held)
-        self._tell_pool(held.lease.pool, "release", lease_id)
+        self._tell_pool(held.lease.pool, "release", lease_id, self.name)
         return True
 
     def _release_late(self, lease_id: str) -> None:
@@ -231,6 +249,9 @@ class _HandleHost:
         held = self.held.get(lease_id)
         if held is not None:
             return held
+        reason = self.ended.get(lease_id)
+        if reason is not None:
+            raise LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
         if self.restarted:
             raise SandboxLost("lease %s: its handle host %s was restarted after its process "
                               "or Ray node died, and the sandbox is lost" % (lease_id, self.name))
@@ -254,7 +275,7 @@ class _HandleHost:
         reuse = False
         try:
             if touch:
-                self._pool(lease.pool).touch.remote(lease_id)
+                self._pool(lease.pool).touch.remote(lease_id, self.name)
             if packed is not None:
                 try:
                     args, kwargs = unpack(packed)
@@ -272,8 +293,17 @@ class _HandleHost:
                                           tags={"pool": lease.pool, "op": op})
             return result
         except ConnectionLost as exc:
+            # the pool may have ended the lease and started the sandbox afresh before
+            # its word arrived here
+            reason = self._ended_at_pool(lease)
+            if reason is not None:
+                raise self._lease_over(lease_id, reason) from exc
             raise SandboxLost("sandbox %s is gone (%s during %s)"
                               % (lease.sandbox_id, exc, op)) from exc
+        except AuthError as exc:  # the sandbox started again for another lease
+            reason = self._ended_at_pool(lease) or (
+                "sandbox %s no longer takes this lease's token" % lease.sandbox_id)
+            raise self._lease_over(lease_id, reason) from exc
         except CallTimeout as exc:
             reuse = True  # the late reply is skipped by the next call on it
             raise ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc)) from exc
@@ -294,6 +324,20 @@ class _HandleHost:
                 client.close()
             if release:
                 self.release(lease_id)
+
+
+    def _ended_at_pool(self, lease) -> Optional[str]:
+        try:
+            return self._tell_pool(lease.pool, "why_ended", lease.lease_id)
+        except ray.exceptions.RayError:
+            return None
+
+    def _lease_over(self, lease_id: str, reason: str) -> LeaseEnded:
+        """Stop holding ``lease_id``, which ended for ``reason``; the error to raise."""
+        with self.lock:
+            gone = self._take(lease_id, reason)
+        self._end(gone)
+        return LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
 
 
 def _reconstructed() -> bool:

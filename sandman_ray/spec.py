@@ -76,8 +76,10 @@ class SandboxSpec:
     network: False gives the sandbox only a loopback interface; True shares the host's.
     user: ``"uid[:gid]"`` the daemon and its commands run as (default: the image's
         user, else root inside the sandbox).
-    ttl_s: the sandbox is reclaimed this long after it was leased (None: never).
-    idle_timeout_s: reclaimed after this long without a command (None: never).
+    ttl_s: the lease ends this long after it began, and the sandbox is reclaimed
+        (None: the pool's ``sandbox_ttl_s``).
+    idle_timeout_s: the lease ends after this long without a call (at least 10 s;
+        None: the pool's ``idle_timeout_s``).
     labels: free-form key/value pairs attached to the sandbox (listing, ownership).
     """
 
@@ -116,6 +118,10 @@ class SandboxSpec:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise ValueError("SandboxSpec.%s must be positive seconds, got %r" % (name, value))
+        if self.idle_timeout_s is not None and self.idle_timeout_s < 10:
+            # handles report use at most every 2 s: a shorter timeout would end busy leases
+            raise ValueError("SandboxSpec.idle_timeout_s must be at least 10 s, got %r"
+                             % (self.idle_timeout_s,))
         for key, value in self.labels.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ValueError("SandboxSpec.labels must map strings to strings, got %r=%r"

@@ -154,3 +154,134 @@ def test_the_token_is_not_in_the_daemons_environment(boxes):
     assert sb.info.token.encode() not in open("/proc/%d/environ" % daemon_pid(sb), "rb").read()
     out = sh(sb, "cat /proc/1/environ; echo; cat /proc/1/cmdline")
     assert sb.info.token not in out
+
+
+# ---------------------------------------------------------------- leases that end
+def lease_pool(**config):
+    import sandman_ray as sandman
+    from conftest import LOCAL_CACHE, LOCAL_STATE, unique_pool
+    return unique_pool(sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE),
+                       "lease", max_sandboxes=1, **config)
+
+
+def kept_copy(sb):
+    """Another reference to the handle, as a rollout worker that was passed it keeps."""
+    import cloudpickle
+    return cloudpickle.loads(cloudpickle.dumps(sb))
+
+
+def next_tenant_is_safe_from(old, image, pool, error=None):
+    """Lend the pool's one sandbox to a new tenant, which writes a secret; the ended
+    handle ``old`` can neither read it nor write beside it (each call raises
+    ``error``, LeaseEnded by default)."""
+    import ray
+    import sandman_ray as sandman
+    error = error or sandman.LeaseEnded
+    with sandman.sandbox(image, pool=pool, timeout=60) as new:
+        ray.get(new.write_file.remote("/tmp/secret", b"tenant B"))
+        for call in (lambda: old.exec.remote("cat /tmp/secret"),
+                     lambda: old.write_file.remote("/tmp/from-a", b"A was here"),
+                     lambda: old.read_file.remote("/tmp/secret")):
+            with pytest.raises(error):
+                ray.get(call())
+        assert ray.get(new.exec.remote("ls /tmp")).stdout == b"secret\n"
+        assert ray.get(new.read_file.remote("/tmp/secret")) == b"tenant B"
+
+
+def test_a_released_lease_cannot_reach_the_next_tenant(provider, busybox_rootfs):
+    import ray
+    import sandman_ray as sandman
+    image = "dir:%s" % busybox_rootfs
+    pool = lease_pool()
+    try:
+        sb = sandman.acquire(image, pool=pool)
+        copy = kept_copy(sb)
+        ray.get(copy.exec.remote("true"))
+        sandman.release(sb)
+        with pytest.raises(sandman.LeaseEnded, match="released"):
+            ray.get(copy.exec.remote("true"))
+        next_tenant_is_safe_from(copy, image, pool)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+@pytest.mark.parametrize("limit", [{"ttl_s": 1.0}, {"idle_timeout_s": 10.0}])
+def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider, busybox_rootfs,
+                                                                       limit):
+    import ray
+    import sandman_ray as sandman
+    from conftest import wait_until
+    from sandman_ray.spec import SandboxSpec
+    spec = SandboxSpec(image="dir:%s" % busybox_rootfs, **limit)
+    pool = lease_pool()
+    try:
+        sb = sandman.acquire(spec, pool=pool)
+        ray.get(sb.exec.remote("true"))
+        leased = lambda: ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
+        wait_until(lambda: leased() == 0, timeout=30, what="the pool to end the lease")
+        with pytest.raises(sandman.LeaseEnded, match="TTL" if "ttl_s" in limit else "idle"):
+            ray.get(sb.exec.remote("true"))
+        next_tenant_is_safe_from(sb, spec, pool)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_a_lease_ended_by_a_pool_restart_cannot_reach_the_next_tenant(provider, busybox_rootfs):
+    """The pool dies with a lease whose record it had not yet written (as when it dies
+    right after lending): the restarted pool starts that sandbox afresh before lending
+    it, so the old handle's connections and token are worthless."""
+    import ray
+    import sandman_ray as sandman
+    from ray.experimental import internal_kv
+    from conftest import wait_until
+    image = "dir:%s" % busybox_rootfs
+    pool = lease_pool()
+    try:
+        sb = sandman.acquire(image, pool=pool)
+        ray.get(sb.exec.remote("true"))
+        for key in internal_kv._internal_kv_list("pool:%s:" % pool, namespace="sandman"):
+            internal_kv._internal_kv_del(key, namespace="sandman")
+        ray.kill(sandman.get_pool(pool), no_restart=False)
+        wait_until(lambda: _settled(pool), timeout=60,
+                   what="the restarted pool to start its sandbox afresh or delete it")
+        with pytest.raises(sandman.SandboxLost):  # LeaseEnded, or the sandbox's restart
+            ray.get(sb.exec.remote("true"))
+        # the new pool never knew the lease: the old handle learns only that its
+        # sandbox is gone (a new one, or the same one with a new token)
+        next_tenant_is_safe_from(sb, image, pool, sandman.SandboxLost)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def _settled(pool) -> bool:
+    """Whether the pool answers and each of its sandboxes is READY (started afresh)
+    or deleted: none is still as the old pool left it."""
+    import ray
+    import sandman_ray as sandman
+    try:
+        ray.get(sandman.get_pool(pool).status.remote(), timeout=5)  # recovered by then
+        listing = ray.get(sandman.get_pool(pool).list_sandboxes.remote(), timeout=5)
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+    return all(entry["state"] == "ready" for entry in listing)
+
+
+def test_a_release_by_a_caller_that_does_not_hold_the_lease_is_refused(provider,
+                                                                        busybox_rootfs):
+    """Whoever reads the pool's listing learns no lease id, and even with one, only
+    the handle host that holds a lease may release it."""
+    import ray
+    import sandman_ray as sandman
+    pool = lease_pool()
+    try:
+        sb = sandman.acquire("dir:%s" % busybox_rootfs, pool=pool)
+        listing = ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+        assert sb.lease_id not in repr(listing)
+        with pytest.raises(sandman.LeaseNotHeld):
+            ray.get(sandman.get_pool(pool).release.remote(sb.lease_id))
+        with pytest.raises(sandman.LeaseNotHeld):
+            ray.get(sandman.get_pool(pool).release.remote(sb.lease_id, "sandman:sbx:thief"))
+        assert ray.get(sb.exec.remote("echo still mine")).stdout == b"still mine\n"
+        sandman.release(sb)
+    finally:
+        sandman.shutdown_pool(pool)

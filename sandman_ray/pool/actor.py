@@ -30,7 +30,7 @@ from typing import Deque, Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import AcquireTimeout, ProviderError
+from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.metrics import PoolMetrics
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import COMING, Lease, Sandbox, State, counts
@@ -55,6 +55,7 @@ SURPLUS_LINGER_S = 10.0
 # sandbox no record knows, which is deleted.
 INVENTORY_INTERVAL_S = 5.0
 NODE_CHECK_S = 1.0     # how often the pool asks the GCS which Ray nodes are alive
+ENDED_KEPT = 100000    # ended leases remembered, to tell a late host why
 
 
 def pool_actor_name(pool: str) -> str:
@@ -86,6 +87,9 @@ class PoolActor:
         self.create_starts: List[float] = []  # wall clock of each provider create call
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.kv_thread = None
+        self.host_thread = None  # tells hosts of leases the pool ended
+        # lease id -> why it ended, for hosts that ask (bounded, oldest first)
+        self.ended: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         self.wake: Optional[asyncio.Event] = None
         self.started = False
         self.recovered: Optional[asyncio.Future] = None
@@ -168,7 +172,8 @@ class PoolActor:
         await self._ensure_started()
         spec = SandboxSpec.of(spec)
         loop = asyncio.get_running_loop()
-        waiter = Waiter(client, spec, loop.create_future(), "L-" + uuid.uuid4().hex[:12],
+        # the lease id is a bearer secret (128 bits): listings never show it
+        waiter = Waiter(client, spec, loop.create_future(), "L-" + uuid.uuid4().hex,
                         time.monotonic() + timeout_s, time.monotonic(), handle)
         self.waiters.push(waiter)
         self._lend()  # a warm sandbox is lent at once, without waiting for a tick
@@ -190,22 +195,27 @@ class PoolActor:
             raise
 
     async def register(self, lease_id: str, handle: str) -> bool:
-        """The handle actor ``handle`` now holds ``lease_id``. False: the lease is over."""
+        """The handle actor ``handle`` now holds ``lease_id``. False: the lease is over.
+        A lease that another host registered is not taken over (LeaseNotHeld)."""
         await self._ensure_started()
         rec = self._leased(lease_id)
         if rec is None:
             return False
+        self._check_holder(rec, handle, "register")
         rec.handle, rec.handle_seen = handle, True
         rec.registered_at = time.monotonic()
         rec.last_used = time.monotonic()
         self._persist(rec)
         return True
 
-    async def touch(self, lease_id: str) -> bool:
+    async def touch(self, lease_id: str, handle: Optional[str] = None) -> bool:
+        """The lease is in use (its idle timeout starts again)."""
         rec = self._leased(lease_id)
-        if rec is not None:
-            rec.last_used = time.monotonic()
-        return rec is not None
+        if rec is None:
+            return False
+        self._check_holder(rec, handle, "touch")
+        rec.last_used = time.monotonic()
+        return True
 
     async def handle_restarted(self, handle: str) -> int:
         """Ray restarted the handle actor ``handle`` after its process or node died: the
@@ -218,13 +228,27 @@ class PoolActor:
             self._end_lease(rec, "reclaimed: handle %s was restarted" % handle)
         return len(held)
 
-    async def release(self, lease_id: str) -> bool:
+    async def release(self, lease_id: str, handle: Optional[str] = None) -> bool:
+        """End the lease. Once a host registered it, only that host (``handle``, its
+        name) may; before, whoever has the lease id (the acquire that got it)."""
         await self._ensure_started()
         rec = self._leased(lease_id)
         if rec is None:
             return False
-        self._end_lease(rec, "released")
+        self._check_holder(rec, handle, "release")
+        self._end_lease(rec, "released by its holder", tell_host=False)
         return True
+
+    async def why_ended(self, lease_id: str) -> Optional[str]:
+        """Why ``lease_id`` ended, if this pool ended it (a host asks when its sandbox
+        stops answering: the pool's word may still be on its way); None otherwise."""
+        return self.ended.get(lease_id)
+
+    def _check_holder(self, rec: Sandbox, handle: Optional[str], op: str) -> None:
+        if rec.registered_at and handle != rec.handle:
+            raise LeaseNotHeld("pool %s: %s of the lease on %s refused: it is held by %s, "
+                               "not by %s" % (self.name, op, rec.sandbox_id, rec.handle,
+                                              handle or "a caller without a handle host"))
 
     async def status(self) -> dict:
         await self._ensure_started()
@@ -241,8 +265,7 @@ class PoolActor:
         now = time.monotonic()
         return [{"sandbox_id": r.sandbox_id, "state": r.state.value, "image": r.spec.image,
                  "node_id": getattr(r.info, "node_id", None), "client": r.client,
-                 "handle": r.handle, "age_s": now - r.since,
-                 "lease_id": r.lease.lease_id if r.lease else None}
+                 "handle": r.handle, "age_s": now - r.since, "leased": r.lease is not None}
                 for r in self.records.values()]
 
     async def recent_events(self, limit: int = 100) -> List[tuple]:
@@ -323,7 +346,7 @@ class PoolActor:
                 lease = Lease(waiter.lease_id, rec.sandbox_id, rec.info.address, rec.info.token,
                               rec.info.node_id, self.name, rec.spec)
                 rec.lease, rec.client, rec.handle = lease, waiter.client, waiter.handle
-                rec.handle_seen = False
+                rec.handle_seen, rec.registered_at = False, 0.0
                 rec.leased_at = rec.last_used = time.monotonic()
                 self._to(rec, State.LEASED, "lent to %s" % waiter.client)
                 self.leases[lease.lease_id] = rec.sandbox_id
@@ -516,10 +539,18 @@ class PoolActor:
                 await asyncio.sleep(0.2 * 2 ** attempt)
         logger.error("pool %s: could not delete %s", self.name, sandbox_id)
 
-    def _end_lease(self, rec: Sandbox, reason: str, reuse: bool = True) -> None:
+    def _end_lease(self, rec: Sandbox, reason: str, reuse: bool = True,
+                   tell_host: bool = True) -> None:
+        """End the lease of ``rec`` for ``reason``; its host (when one registered it and
+        did not end it itself) is told, and stops forwarding its calls."""
         if rec.lease is not None:
             self.leases.pop(rec.lease.lease_id, None)
+            self.ended[rec.lease.lease_id] = reason
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
             self._forget(rec)
+            if tell_host and rec.handle is not None:
+                self._tell_host(rec.handle, rec.lease.lease_id, reason)
         rec.lease, rec.client, rec.handle = None, None, None
         if reuse:
             self._to(rec, State.RELEASING, reason)
@@ -583,10 +614,12 @@ class PoolActor:
 
     def _expired(self, rec: Sandbox, now: float) -> Optional[str]:
         """Why the lease of ``rec`` is over by its TTL or idle timeout (None: it is not)."""
-        if self.config.sandbox_ttl_s and now - rec.leased_at > self.config.sandbox_ttl_s:
-            return "lease outlived its TTL of %.0f s" % self.config.sandbox_ttl_s
-        if self.config.idle_timeout_s and now - rec.last_used > self.config.idle_timeout_s:
-            return "idle for %.0f s" % self.config.idle_timeout_s
+        ttl = rec.spec.ttl_s or self.config.sandbox_ttl_s  # the spec's, else the pool's
+        idle = rec.spec.idle_timeout_s or self.config.idle_timeout_s
+        if ttl and now - rec.leased_at > ttl:
+            return "the lease outlived its TTL of %g s" % ttl
+        if idle and now - rec.last_used > idle:
+            return "the lease was idle for %g s" % idle
         return None
 
     async def _strays(self) -> list:
@@ -604,6 +637,15 @@ class PoolActor:
     async def _delete_strays(self) -> None:
         for info in await self._strays():
             await self._delete_stray(info)
+
+    def _tell_host(self, host: str, lease_id: str, reason: str) -> None:
+        """Tell the handle host named ``host`` that ``lease_id`` ended, off the event
+        loop (a name lookup is a GCS call). The host is looked up by name and its
+        handle dropped at once: the pool never keeps a host alive."""
+        if self.host_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self.host_thread = ThreadPoolExecutor(1, thread_name_prefix="sandman-hosts")
+        self.host_thread.submit(_tell_host, host, lease_id, "%s (pool %s)" % (reason, self.name))
 
     # ------------------------------------------------------------------ persistence
     def _kv_key(self, sandbox_id: str) -> str:
@@ -645,7 +687,10 @@ class PoolActor:
             rec = Sandbox(info.sandbox_id, spec, info=info)
             raw = internal_kv._internal_kv_get(self._kv_key(info.sandbox_id), namespace=KV_NAMESPACE)
             record = json.loads(raw) if raw else None
-            rec.state = State.READY
+            # Without a lease record it may still have served a lease whose record was
+            # being written when the old pool died: it starts afresh (a new token)
+            # before anyone else is lent it.
+            rec.state = State.RELEASING
             self.records[rec.sandbox_id] = rec
             if record is not None:
                 age = now_wall - record["leased_wall"]
@@ -669,6 +714,17 @@ def _spec_of(info) -> SandboxSpec:
     if isinstance(spec, SandboxSpec):
         return spec
     return SandboxSpec(image=(info.details or {}).get("image", "host"))
+
+
+def _tell_host(host: str, lease_id: str, reason: str) -> None:
+    try:
+        actor = ray.get_actor(host, namespace=NAMESPACE)
+    except ValueError:  # gone: nothing holds the lease any more
+        return
+    try:
+        actor.lease_ended.remote(lease_id, reason)
+    except Exception:  # noqa: BLE001 - a host that died meanwhile holds nothing
+        logger.debug("host %s could not be told that %s ended", host, lease_id)
 
 
 def _alive_nodes() -> set:

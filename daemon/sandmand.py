@@ -49,6 +49,11 @@ MAX_READ = 32 * 1024 * 1024           # file_read answers at most this many byte
 MAX_IN_FLIGHT = 1024                  # requests in flight per connection
 MAX_DEPTH = 64                        # nesting limit of decoded msgpack values
 HELLO_TIMEOUT_S = 10.0                # a connection that does not say hello is closed
+HELLO_MAX_FRAME = 4096                # before the hello, frames are at most this long
+MAX_UNAUTHENTICATED = 64              # connections at once that have not said hello
+MAX_UPLOADS_PER_CONNECTION = 16       # tar uploads open on one connection
+MAX_UPLOADS = 64                      # ... and on all connections together
+MAX_LIST_BYTES = MAX_FRAME // 2       # a directory listing stops (truncated) past this
 DEFAULT_KILL_GRACE_S = 2.0            # TERM, then KILL after this long
 KILL_SETTLE_S = 2.0                   # how long to watch killed processes disappear
 PROC_RING_BYTES = 1024 * 1024         # per-stream ring buffer of a background process
@@ -292,9 +297,10 @@ class FrameReader:
         self.max_frame = max_frame
         self.buf = bytearray()
 
-    def feed(self, data):
-        """Add bytes; return the list of complete frame bodies. Raises CodecError when a
-        header announces more than ``max_frame`` bytes (the stream cannot be trusted)."""
+    def feed(self, data, one=False):
+        """Add bytes; return the list of complete frame bodies (``one``: at most one,
+        the rest stays buffered). Raises CodecError when a header announces more than
+        ``max_frame`` bytes (the stream cannot be trusted)."""
         if not self.buf and len(data) >= 4:
             (n,) = _HEADER.unpack_from(data)
             if n == len(data) - 4 and n <= self.max_frame:
@@ -309,6 +315,8 @@ class FrameReader:
                 break
             frames.append(bytes(self.buf[4:4 + n]))
             del self.buf[:4 + n]
+            if one:
+                break
         return frames
 
 
@@ -1219,12 +1227,13 @@ class Daemon:
         self.children = None
         self.sessions = {}
         self.procs = {}
-        self.uploads = {}
+        self.uploads = 0  # open on all connections (each holds its own)
         self.next_upload = 1
         self.server = None
         self.socket_path = None
         self.stopping = None
         self.connections = set()
+        self.unauthenticated = 0  # of those, the ones that have not said hello
         self.applied_limits = {}
         self.user = None  # (uid, gid) to drop to once listening
         self.socket_mode = 0o600
@@ -1305,6 +1314,10 @@ class Daemon:
                     continue
                 return  # the client already left, or no one is waiting
             sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
+            if self.unauthenticated >= MAX_UNAUTHENTICATED:
+                _refuse(sock, "LimitExceeded", "%d connections are waiting to say hello"
+                        % self.unauthenticated)
+                continue
             if self.tcp:
                 sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
             Connection(self, sock)
@@ -1324,15 +1337,9 @@ class Daemon:
         except OSError:
             fd = None
         if fd is not None:
-            sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
-            try:
-                sock.setblocking(False)
-                sock.send(encode_frame({"id": None, "ok": False, "error": {
-                    "type": "LimitExceeded", "message": "the daemon is out of file "
-                    "descriptors (%d connections open)" % len(self.connections)}}))
-            except OSError:
-                pass
-            sock.close()
+            _refuse(_socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd),
+                    "LimitExceeded", "the daemon is out of file descriptors (%d "
+                    "connections open)" % len(self.connections))
         self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         return fd is not None
 
@@ -1681,20 +1688,24 @@ class Daemon:
         return stat_result(path_field(req), field(req, "follow_symlinks", (bool,), False))
 
     def op_file_list(self, req):
+        """Up to ``limit`` entries, and no more than fit half a frame: past either the
+        listing stops, with ``truncated`` set."""
         path = path_field(req)
         limit = field(req, "limit", (int,), 100000)
-        entries = []
+        entries, budget, truncated = [], MAX_LIST_BYTES, False
         with os.scandir(path) as it:
             for entry in it:
-                if len(entries) >= limit:
+                if len(entries) >= limit or budget <= 0:
+                    truncated = True
                     break
                 try:
-                    entries.append(_entry(entry.name, entry.stat(follow_symlinks=False),
-                                          entry.path))
+                    item = _entry(entry.name, entry.stat(follow_symlinks=False), entry.path)
                 except OSError:
                     continue
-        entries.sort(key=lambda e: e["name"])
-        return entries
+                budget -= 96 + len(item["name"]) + len(item.get("target") or b"")
+                entries.append(item)
+        entries.sort(key=lambda e: os.fsencode(e["name"]))
+        return {"entries": entries, "truncated": truncated}
 
     def op_file_mkdir(self, req):
         path = path_field(req)
@@ -1746,35 +1757,35 @@ class Daemon:
         size = await self.loop.run_in_executor(None, _tar_directory, path, writer)
         return {"size": size}
 
-    def op_tar_put_begin(self, req):
+    # An upload belongs to the connection that began it: no other connection can add
+    # to it, and it is dropped (its spool file with it) when that connection closes.
+    def op_tar_put_begin(self, req, conn):
         path = path_field(req)
-        if len(self.uploads) >= 64:
-            raise RequestError("LimitExceeded", "64 uploads are already open")
+        if len(conn.uploads) >= MAX_UPLOADS_PER_CONNECTION:
+            raise RequestError("LimitExceeded", "%d uploads are already open on this "
+                               "connection" % MAX_UPLOADS_PER_CONNECTION)
+        if self.uploads >= MAX_UPLOADS:
+            raise RequestError("LimitExceeded", "%d uploads are already open" % MAX_UPLOADS)
         upload_id = self.next_upload
         self.next_upload += 1
-        self.uploads[upload_id] = (path, _spool_file())
+        conn.uploads[upload_id] = (path, _spool_file())
+        self.uploads += 1
         return {"upload": upload_id}
 
-    def op_tar_put_data(self, req):
-        path, spool = self._upload(req)
+    def op_tar_put_data(self, req, conn):
+        path, spool = conn.upload(req)
         spool.write(_as_bytes(field(req, "data", (bytes,))))
         return None
 
-    async def op_tar_put_end(self, req):
-        path, spool = self._upload(req)
-        del self.uploads[req["upload"]]
+    async def op_tar_put_end(self, req, reply):
+        path, spool = reply.conn.upload(req)
+        reply.conn.drop_upload(req["upload"])
         try:
             spool.seek(0)
             count = await self.loop.run_in_executor(None, _untar, spool, path)
         finally:
             spool.close()
         return {"files": count}
-
-    def _upload(self, req):
-        upload = self.uploads.get(field(req, "upload", (int,)))
-        if upload is None:
-            raise RequestError("UploadNotFound", "no open upload %r" % req.get("upload"))
-        return upload
 
     async def op_shutdown(self, req):
         grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
@@ -2148,20 +2159,31 @@ _KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink
 
 def _entry(name, st, path):
     kind = next((k for test, k in _KINDS if test(st.st_mode)), "other")
-    entry = {"name": name, "type": kind, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
-             "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
+    entry = {"name": wire_name(name), "type": kind, "size": st.st_size,
+             "mode": stat.S_IMODE(st.st_mode), "mtime": st.st_mtime, "uid": st.st_uid,
+             "gid": st.st_gid}
     if kind == "symlink":
         try:
-            entry["target"] = os.readlink(path)
+            entry["target"] = wire_name(os.readlink(path))
         except OSError:
             entry["target"] = None
     return entry
 
 
+def wire_name(name):
+    """A file name as the wire carries it: a str when it is UTF-8, else its bytes (a
+    name the file system holds need not be text)."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return os.fsencode(name)
+
+
 def stat_result(path, follow):
     st = os.stat(path) if follow else os.lstat(path)
     entry = _entry(os.path.basename(path.rstrip("/")) or path, st, path)
-    entry["path"] = path
+    entry["path"] = wire_name(path)
     return entry
 
 
@@ -2342,6 +2364,17 @@ def base_environment():
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # queued reply bytes past which we stop reading
 
 
+def _refuse(sock, kind, message):
+    """Tell a connection we will not serve why, and close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(encode_frame({"id": None, "ok": False, "error": {"type": kind,
+                                                                   "message": message}}))
+    except OSError:
+        pass
+    sock.close()
+
+
 class Connection:
     """One client connection: frames in, replies and events out, many in flight. A
     client that does not read its replies is not read from either (backpressure)."""
@@ -2349,9 +2382,10 @@ class Connection:
     def __init__(self, daemon, sock):
         self.daemon, self.loop, self.sock = daemon, daemon.loop, sock
         self.fd = sock.fileno()
-        self.reader = FrameReader()
+        self.reader = FrameReader(HELLO_MAX_FRAME)  # a client proves itself first
         self.out = bytearray()
         self.authed = False
+        self.uploads = {}  # upload id -> (target path, spool file)
         self.closing = False
         self.closed = False
         self.inflight = {}  # request id -> Reply
@@ -2359,6 +2393,7 @@ class Connection:
         self.writable.set()
         sock.setblocking(False)
         daemon.connections.add(self)
+        daemon.unauthenticated += 1
         self.loop.add_reader(self.fd, self._readable)
         self.hello_timer = self.loop.call_later(daemon.hello_timeout_s, self._no_hello)
 
@@ -2426,11 +2461,26 @@ class Connection:
         self.loop.remove_writer(self.fd)
         self.sock.close()
         self.daemon.connections.discard(self)
+        if not self.authed:
+            self.daemon.unauthenticated -= 1
+        for upload_id in list(self.uploads):
+            self.drop_upload(upload_id)[1].close()
         if self.hello_timer is not None:
             self.hello_timer.cancel()
         for reply in list(self.inflight.values()):
             reply.cancel()
         self.writable.set()
+
+    def upload(self, req):
+        upload = self.uploads.get(field(req, "upload", (int,)))
+        if upload is None:
+            raise RequestError("UploadNotFound", "no open upload %r on this connection"
+                               % (req.get("upload"),))
+        return upload
+
+    def drop_upload(self, upload_id):
+        self.daemon.uploads -= 1
+        return self.uploads.pop(upload_id)
 
     def close_after_flush(self):
         self.closing = True
@@ -2456,11 +2506,16 @@ class Connection:
         except CodecError as exc:
             frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
                 "type": "InternalError", "message": "reply not encodable: %s" % exc}})
+        if len(frame) > MAX_FRAME + 4:  # no client could take it: say so instead
+            frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
+                "type": "ReplyTooLarge", "message": "the reply of %d bytes exceeds the frame "
+                "limit of %d; ask for less" % (len(frame) - 4, MAX_FRAME)}})
         self.write(frame)
 
     def data_received(self, data):
         try:
-            frames = self.reader.feed(data)
+            # before the hello, one frame at a time: what follows it may be larger
+            frames = self.reader.feed(data, one=not self.authed)
         except CodecError as exc:
             self._fail("ProtocolError", str(exc))
             return
@@ -2477,6 +2532,8 @@ class Connection:
                 return
             if not self.authed:
                 self._hello(req)
+                if self.authed and self.reader.buf:
+                    self.data_received(b"")  # what came with the hello
             else:
                 self._dispatch(req)
 
@@ -2493,6 +2550,8 @@ class Connection:
                        % (req.get("version"), PROTOCOL_VERSION))
             return
         self.authed = True
+        self.daemon.unauthenticated -= 1
+        self.reader.max_frame = MAX_FRAME
         self.hello_timer.cancel()
         self.hello_timer = None
         self.send({"id": req.get("id"), "ok": True,
@@ -2512,9 +2571,10 @@ class Connection:
                 "type": "UnknownOp", "message": "unknown op %r" % (op,)}})
             return
         method, kind = handler
-        if kind == "sync":
+        if kind in ("sync", "conn"):
             try:
-                result = method(self.daemon, req)
+                result = method(self.daemon, req) if kind == "sync" else \
+                    method(self.daemon, req, self)
             except Exception as exc:
                 self.send({"id": rid, "ok": False, "error": _error_body(exc)})
             else:
@@ -2584,8 +2644,8 @@ for _name, _kind in (
         ("proc_wait", "async"), ("proc_signal", "sync"), ("proc_list", "sync"),
         ("file_read", "sync"), ("file_write", "sync"), ("file_stat", "sync"),
         ("file_list", "sync"), ("file_mkdir", "sync"), ("file_remove", "async"),
-        ("file_move", "async"), ("tar_get", "stream"), ("tar_put_begin", "sync"),
-        ("tar_put_data", "sync"), ("tar_put_end", "async"), ("shutdown", "async")):
+        ("file_move", "async"), ("tar_get", "stream"), ("tar_put_begin", "conn"),
+        ("tar_put_data", "conn"), ("tar_put_end", "stream"), ("shutdown", "async")):
     OPS[_name] = (getattr(Daemon, "op_" + _name), _kind)
 
 

@@ -119,19 +119,32 @@ class FileStat:
     """A file in the sandbox. type: file, dir, symlink, fifo, socket, char, block or
     other; mode: permission bits; target: a symlink's target."""
 
-    name: str
+    name: Union[str, bytes]  # bytes where the name is not UTF-8
     type: str
     size: int
     mode: int
     mtime: float
     uid: int
     gid: int
-    target: Optional[str] = None
-    path: Optional[str] = None
+    target: Optional[Union[str, bytes]] = None
+    path: Optional[Union[str, bytes]] = None
 
     @classmethod
     def from_wire(cls, r: Dict[str, Any]) -> "FileStat":
         return cls(**{k: r[k] for k in cls.__dataclass_fields__ if k in r})
+
+
+class Listing(list):
+    """A directory's entries (FileStat, names as str, or bytes where a name is not
+    UTF-8); ``truncated``: more entries exist than the daemon sent."""
+
+    truncated = False
+
+    @classmethod
+    def from_wire(cls, r: Dict[str, Any]) -> "Listing":
+        listing = cls(FileStat.from_wire(e) for e in r["entries"])
+        listing.truncated = bool(r.get("truncated"))
+        return listing
 
 
 class Request:
@@ -281,10 +294,12 @@ class _Operations:
         return self._call("file_stat", _present({"path": path, "follow_symlinks": follow_symlinks}),
                                  FileStat.from_wire, self.default_timeout)
 
-    def list_dir(self, path: str):
-        return self._call("file_list", _present({"path": path}),
-                                 lambda rs: [FileStat.from_wire(r) for r in rs],
-                                 self.default_timeout)
+    def list_dir(self, path: str, *, limit: Optional[int] = None) -> "Listing":
+        """The entries of directory ``path``, sorted by name: a list of FileStat whose
+        ``truncated`` says the daemon stopped at ``limit`` entries or at what fits a
+        reply."""
+        return self._call("file_list", _present({"path": path, "limit": limit}),
+                                 Listing.from_wire, self.default_timeout)
 
     def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755):
         return self._call("file_mkdir", _present({"path": path, "parents": parents, "mode": mode}),

@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from conftest import Sandbox
+from conftest import Sandbox, wait_until
+from sandman_ray import ProtocolError
 
 IMAGES = ("host", "busybox")
 
@@ -285,3 +286,110 @@ def test_a_release_by_a_caller_that_does_not_hold_the_lease_is_refused(provider,
         sandman.release(sb)
     finally:
         sandman.shutdown_pool(pool)
+
+
+# ---------------------------------------------------------------- the daemon's door
+def rss_kb(pid: int) -> int:
+    with open("/proc/%d/status" % pid) as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def test_unauthenticated_frames_cannot_grow_the_daemon(daemon):
+    """Thirty clients that never say hello each announce an 8 MiB frame and send it:
+    the daemon refuses each at its header, stays under 1 MB more per connection, and
+    answers an authenticated ping at once."""
+    import socket
+    import struct
+    from test_daemon_protocol import raw_socket, read_frame
+    before = rss_kb(daemon.pid)
+    body = b"\x81\xa2op\xa4ping" + b"\0" * (8 * 2 ** 20)
+    socks = []
+    for _ in range(30):
+        sock = raw_socket(daemon, hello=False)
+        try:
+            sock.sendall(struct.pack(">I", len(body)) + body)
+        except OSError:  # closed by the daemon while we sent: as it should
+            pass
+        socks.append(sock)
+    for sock in socks:
+        reply = read_frame(sock)
+        assert reply is None or (reply["error"]["type"] == "ProtocolError"
+                                 and "exceeds" in reply["error"]["message"])
+        sock.close()
+    assert rss_kb(daemon.pid) - before < 30 * 1024
+    with daemon.client() as c:
+        assert c.ping() is None
+
+
+def test_connections_that_never_say_hello_are_capped(daemon):
+    from test_daemon_protocol import raw_socket, read_frame
+    from sandman_ray.daemon.sandmand import MAX_UNAUTHENTICATED
+    waiting = [raw_socket(daemon, hello=False) for _ in range(MAX_UNAUTHENTICATED)]
+    try:
+        extra = raw_socket(daemon, hello=False)
+        reply = read_frame(extra)
+        assert reply["error"]["type"] == "LimitExceeded" and "hello" in reply["error"]["message"]
+        extra.close()
+        waiting.pop().close()  # one of the waiting ones leaves: a new client gets in
+
+        def gets_in():
+            try:
+                with daemon.client() as c:
+                    return c.ping() is None
+            except ProtocolError:  # the daemon has not yet seen the close
+                return False
+        wait_until(gets_in, what="a client to get in once a waiting one left")
+    finally:
+        for sock in waiting:
+            sock.close()
+
+
+def test_uploads_belong_to_their_connection_and_end_with_it(daemon, tmp_path):
+    """64 uploads begun on connections that then closed used to block put_archive until
+    a reset and keep their spool files: now they end with their connections, and no
+    other connection can write into one."""
+    import io
+    import tarfile
+    from sandman_ray import DaemonError
+    fds_before = len(os.listdir("/proc/%d/fd" % daemon.pid))
+    for _ in range(70):
+        with daemon.client() as c:
+            upload = c._call("tar_put_begin", {"path": str(tmp_path / "up")})["upload"]
+    with daemon.client() as owner, daemon.client() as other:
+        upload = owner._call("tar_put_begin", {"path": str(tmp_path / "up")})["upload"]
+        with pytest.raises(DaemonError, match="UploadNotFound"):
+            other._call("tar_put_data", {"upload": upload, "data": b"x"})
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("f")
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"ok"))
+        other.put_archive(str(tmp_path / "up2"), buf.getvalue())
+    assert (tmp_path / "up2" / "f").read_bytes() == b"ok"
+    wait_until(lambda: len(os.listdir("/proc/%d/fd" % daemon.pid)) <= fds_before,
+               what="the daemon to close the connections' spool files")
+
+
+def test_a_listing_larger_than_a_frame_is_truncated_not_refused(daemon, tmp_path):
+    """20,000 symlinks with 4 KiB targets made an 81 MB reply that no client takes: the
+    listing now stops at what fits, and says so."""
+    where = tmp_path / "links"
+    where.mkdir()
+    target = "t" * 4000
+    for i in range(20000):
+        os.symlink(target, where / ("l%05d" % i))
+    with daemon.client() as c:
+        listing = c.list_dir(str(where))
+        assert listing.truncated and 0 < len(listing) < 20000
+        assert all(e.target == target for e in listing)
+        first = c.list_dir(str(where), limit=5)
+        assert first.truncated and len(first) == 5
+
+
+def test_names_that_are_not_utf8_come_back_as_bytes(daemon, tmp_path):
+    (tmp_path / "plain").write_text("x")
+    with open(os.path.join(os.fsencode(tmp_path), b"bad-\xff\xfe"), "w") as fh:
+        fh.write("x")
+    with daemon.client() as c:
+        names = [e.name for e in c.list_dir(str(tmp_path))]
+    assert "plain" in names and b"bad-\xff\xfe" in names

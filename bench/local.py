@@ -9,7 +9,7 @@ local Ray, one after the other in one run:
 
 Prints a table and one JSON line.
 
-    python bench/local.py [--providers local,docker] [--image dir:/path]
+    python bench/local.py [--providers local,local-host-root,docker] [--image dir:/path]
                           [--docker-image REF] [--bursts 1,50,200] [--resets 50]
 """
 
@@ -110,9 +110,11 @@ async def measure(provider, spec, args, pid_of):
     return rows, out
 
 
-def local_setup(args):
+def local_setup(args, user_namespaces=True):
     provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
-                             cache_root=str(ROOT / ".cache" / "provider")).bind("bench-local")
+                             cache_root=str(ROOT / ".cache" / "provider"),
+                             user_namespaces=user_namespaces).bind(
+        "bench-local" if user_namespaces else "bench-local-host-root")
     image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
     return provider, SandboxSpec(image=image), lambda info: [info.details["pid"]], None
 
@@ -136,7 +138,11 @@ def docker_setup(args):
     return provider, SandboxSpec(image=image), pids, service.stop
 
 
-SETUPS = {"local": local_setup, "docker": docker_setup}
+# local: each sandbox in a user namespace of its own (the default); local-host-root:
+# LocalProvider(user_namespaces=False), root inside is host root (what the user
+# namespace costs, side by side)
+SETUPS = {"local": local_setup, "docker": docker_setup,
+          "local-host-root": lambda args: local_setup(args, user_namespaces=False)}
 
 
 async def main_async(args):

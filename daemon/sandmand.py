@@ -2685,6 +2685,8 @@ def main(argv=None):
         del os.environ[key]
     if not token:
         raise SystemExit("sandmand: no token (give --token-file or SANDMAN_TOKEN)")
+    ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
+    _close_inherited(keep=ready_fd)
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
@@ -2697,8 +2699,19 @@ def main(argv=None):
     if opts["user"]:
         uid, _, gid = opts["user"].partition(":")
         daemon.user = (int(uid), int(gid or uid))
-    ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
     daemon.run(opts["listen"], ready_fd)
+
+
+def _close_inherited(keep):
+    """Close every descriptor the launcher left open (beyond stdio and ``keep``): the
+    daemon holds nothing it did not open itself."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed meanwhile
 
 
 if __name__ == "__main__":

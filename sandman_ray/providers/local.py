@@ -106,7 +106,8 @@ class NodeAgent:
         except (OSError, ValueError) as exc:
             raise fatal("image %r: %s" % (spec.image, exc)) from exc
         try:
-            ids = self.ranges.take(sandbox_id) if self.ranges is not None else None
+            ids = (await loop.run_in_executor(None, self.ranges.take, sandbox_id)
+                   if self.ranges is not None else None)
         except OSError as exc:
             raise transient("sandbox %s: no uid range: %s" % (sandbox_id, exc)) from exc
         sandbox = SandboxProcess(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,

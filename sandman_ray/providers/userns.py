@@ -20,51 +20,21 @@ the cache. Measured here: a range's namespace ~2-4 ms (once per range), an idmap
 mount ~0.1 ms (once per launch).
 """
 
-import ctypes
 import errno
 import fcntl
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from sandman_ray.providers.mounts import detached_tree
 
 # Host ids of the ranges: 2^30 and up, far above any real user and the ranges that
 # /etc/subuid hands out (100000 and up); 16384 ranges of 65536.
 FIRST_ID = 1 << 30
 RANGE_SIZE = 65536
 RANGES = 16384
-
-# linux/mount.h
-_OPEN_TREE = 428
-_MOUNT_SETATTR = 442
-_OPEN_TREE_CLONE = 1
-_OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-_AT_FDCWD = -100
-_AT_EMPTY_PATH = 0x1000
-_MOUNT_ATTR_RDONLY = 0x1
-_MOUNT_ATTR_NOSUID = 0x2
-_MOUNT_ATTR_NODEV = 0x4
-_MOUNT_ATTR_IDMAP = 0x100000
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
-
-
-_libc = None
-
-
-def _syscall(number: int, *args) -> int:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    result = _libc.syscall(number, *args)
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return result
-
 
 class IdRange:
     """One claimed range: host ids ``base`` to ``base + 65535``, and its user namespace
@@ -83,9 +53,9 @@ class IdRange:
         return "/proc/%d/fd/%d" % (os.getpid(), self.userns_fd)
 
     def idmapped(self, path: Path) -> int:
-        """``detached_tree(path)`` in which the files of host uid N appear as
-        ``base + N``: the lower layer of an overlay mounted for this range."""
-        return detached_tree(path, self.userns_fd)
+        """A read-only ``detached_tree(path)`` in which the files of host uid N appear
+        as ``base + N``: the lower layer of an overlay mounted for this range."""
+        return detached_tree(path, readonly=True, userns_fd=self.userns_fd)
 
     def close(self) -> None:
         for fd in (self.userns_fd, self.lock_fd):
@@ -93,26 +63,6 @@ class IdRange:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def detached_tree(path: Path, userns_fd: Optional[int] = None) -> int:
-    """A detached, read-only, nosuid, nodev mount of ``path``, idmapped through the
-    user namespace ``userns_fd`` when given. An overlay takes it as its lower layer
-    from any mount namespace (a descriptor of a path in another namespace it refuses).
-    The caller closes it once the overlay is mounted (the overlay keeps it alive)."""
-    fd = _syscall(_OPEN_TREE, _AT_FDCWD, str(path).encode(),
-                  _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
-    flags = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
-    if userns_fd is not None:
-        flags |= _MOUNT_ATTR_IDMAP
-    attr = _MountAttr(flags, 0, 0, userns_fd if userns_fd is not None else 0)
-    try:
-        _syscall(_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
-                 ctypes.sizeof(attr))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def make_userns(base: int) -> int:
@@ -140,27 +90,40 @@ def make_userns(base: int) -> int:
 
 class Ranges:
     """The ranges one agent holds: claimed on first need, lent to one sandbox at a
-    time, kept for the next (their namespaces are made once)."""
+    time, kept for the next (their namespaces are made once). Thread-safe: a new range
+    costs a process (~1.5 ms), so agents take them on worker threads."""
 
     def __init__(self, lock_dir: Path):
         self.lock_dir = Path(lock_dir)
+        self.lock = threading.Lock()
         self.free: List[IdRange] = []
         self.lent: Dict[str, IdRange] = {}  # sandbox id -> its range
 
     def take(self, sandbox_id: str) -> IdRange:
-        held = self.lent.get(sandbox_id)
-        if held is not None:
-            return held
-        ids = self.free.pop() if self.free else self._claim()
-        self.lent[sandbox_id] = ids
+        with self.lock:
+            held = self.lent.get(sandbox_id)
+            if held is None and self.free:
+                held = self.lent[sandbox_id] = self.free.pop()
+            if held is not None:
+                return held
+            index, lock_fd = self._lock_next()
+        try:  # outside the lock: other threads take free ranges meanwhile
+            ids = IdRange(index, lock_fd, make_userns(FIRST_ID + index * RANGE_SIZE))
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        with self.lock:
+            self.lent[sandbox_id] = ids
         return ids
 
     def give_back(self, sandbox_id: str) -> None:
-        ids = self.lent.pop(sandbox_id, None)
-        if ids is not None:
-            self.free.append(ids)
+        with self.lock:
+            ids = self.lent.pop(sandbox_id, None)
+            if ids is not None:
+                self.free.append(ids)
 
-    def _claim(self) -> IdRange:
+    def _lock_next(self):
+        """(index, lock fd) of the first range no agent of this host holds."""
         self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for index in range(RANGES):
             fd = os.open(self.lock_dir / str(index), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
@@ -170,17 +133,14 @@ class Ranges:
             except BlockingIOError:
                 os.close(fd)
                 continue
-            try:
-                return IdRange(index, fd, make_userns(FIRST_ID + index * RANGE_SIZE))
-            except BaseException:
-                os.close(fd)
-                raise
+            return index, fd
         raise OSError(errno.ENOSPC, "all %d uid ranges of this host are in use" % RANGES)
 
     def close(self) -> None:
-        for ids in self.free + list(self.lent.values()):
-            ids.close()
-        self.free, self.lent = [], {}
+        with self.lock:
+            for ids in self.free + list(self.lent.values()):
+                ids.close()
+            self.free, self.lent = [], {}
 
 
 def supported() -> Optional[str]:

@@ -9,7 +9,7 @@ local Ray, one after the other in one run:
 
 Prints a table and one JSON line.
 
-    python bench/local.py [--providers local,local-host-root,docker] [--image dir:/path]
+    python bench/local.py [--providers local,local-host-root,local-network,docker] [--image dir:/path]
                           [--docker-image REF] [--bursts 1,50,200] [--resets 50]
 """
 
@@ -110,13 +110,15 @@ async def measure(provider, spec, args, pid_of):
     return rows, out
 
 
-def local_setup(args, user_namespaces=True):
+def local_setup(args, user_namespaces=True, network=False):
+    name = "bench-local" + ("-network" if network else "") + (
+        "" if user_namespaces else "-host-root")
     provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
                              cache_root=str(ROOT / ".cache" / "provider"),
-                             user_namespaces=user_namespaces).bind(
-        "bench-local" if user_namespaces else "bench-local-host-root")
+                             user_namespaces=user_namespaces).bind(name)
     image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
-    return provider, SandboxSpec(image=image), lambda info: [info.details["pid"]], None
+    return (provider, SandboxSpec(image=image, network=network),
+            lambda info: [info.details["pid"]], None)
 
 
 def docker_setup(args):
@@ -140,9 +142,11 @@ def docker_setup(args):
 
 # local: each sandbox in a user namespace of its own (the default); local-host-root:
 # LocalProvider(user_namespaces=False), root inside is host root (what the user
-# namespace costs, side by side)
+# namespace costs, side by side); local-network: SandboxSpec(network=True), a network
+# namespace of its own behind slirp4netns and the filter
 SETUPS = {"local": local_setup, "docker": docker_setup,
-          "local-host-root": lambda args: local_setup(args, user_namespaces=False)}
+          "local-host-root": lambda args: local_setup(args, user_namespaces=False),
+          "local-network": lambda args: local_setup(args, network=True)}
 
 
 async def main_async(args):

@@ -1,5 +1,6 @@
 """What a sandbox should be: plain dataclasses, validated on construction."""
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
@@ -38,6 +39,18 @@ def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[
     return number
 
 
+def _networks(allow) -> Tuple[str, ...]:
+    """``allow`` as normalized IPv4 networks; ValueError naming a bad one."""
+    out = []
+    for cidr in allow:
+        try:
+            out.append(str(ipaddress.IPv4Network(cidr, strict=False)))
+        except (ValueError, TypeError):
+            raise ValueError("SandboxSpec.network_allow: %r is not an IPv4 address or CIDR"
+                             % (cidr,)) from None
+    return tuple(out)
+
+
 def parse_image(image: str) -> Tuple[str, str, str]:
     """(kind, location, tag) of an image string; ValueError naming the problem."""
     if image == "host":
@@ -73,7 +86,12 @@ class SandboxSpec:
         ``"2Gi"``; past it, writes fail with ENOSPC (None: the provider's default).
     env: variables set for the daemon and every command, over the image's own.
     workdir: the working directory of commands (default: the image's, else ``/``).
-    network: False gives the sandbox only a loopback interface; True shares the host's.
+    network: False gives the sandbox only a loopback interface; True gives it outbound
+        access of its own, through a user-mode stack, to public addresses only: never
+        to this host, its neighbours, link-local or metadata addresses, nor private
+        ranges (the LocalProvider; see providers/network.py).
+    network_allow: IPv4 addresses or CIDRs a ``network=True`` sandbox may reach beyond
+        that (a package mirror on the private network, say).
     user: ``"uid[:gid]"`` the daemon and its commands run as (default: the image's
         user, else root inside the sandbox).
     ttl_s: the lease ends this long after it began, and the sandbox is reclaimed
@@ -91,6 +109,7 @@ class SandboxSpec:
     env: Dict[str, str] = field(default_factory=dict)
     workdir: Optional[str] = None
     network: bool = False
+    network_allow: Tuple[str, ...] = ()
     user: Optional[str] = None
     ttl_s: Optional[float] = None
     idle_timeout_s: Optional[float] = None
@@ -112,6 +131,12 @@ class SandboxSpec:
                 raise ValueError("SandboxSpec.env must map names to strings, got %r=%r" % (key, value))
         if self.workdir is not None and not str(self.workdir).startswith("/"):
             raise ValueError("SandboxSpec.workdir must be absolute, got %r" % (self.workdir,))
+        if isinstance(self.network_allow, str):
+            raise ValueError("SandboxSpec.network_allow must be a list of CIDRs, got the "
+                             "string %r" % (self.network_allow,))
+        object.__setattr__(self, "network_allow", _networks(self.network_allow))
+        if self.network_allow and not self.network:
+            raise ValueError("SandboxSpec.network_allow needs network=True")
         if self.user is not None and not re.fullmatch(r"[0-9]+(:[0-9]+)?", str(self.user)):
             raise ValueError("SandboxSpec.user must be 'uid' or 'uid:gid', got %r" % (self.user,))
         for name in ("ttl_s", "idle_timeout_s"):
@@ -152,7 +177,8 @@ class SandboxSpec:
     def key(self) -> tuple:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
         return (self.image, self.cpu, self.memory, self.pids, self.disk,
-                tuple(sorted(self.env.items())), self.workdir, self.network, self.user)
+                tuple(sorted(self.env.items())), self.workdir, self.network,
+                self.network_allow, self.user)
 
 
 @dataclass

@@ -298,7 +298,6 @@ def test_unauthenticated_frames_cannot_grow_the_daemon(daemon):
     """Thirty clients that never say hello each announce an 8 MiB frame and send it:
     the daemon refuses each at its header, stays under 1 MB more per connection, and
     answers an authenticated ping at once."""
-    import socket
     import struct
     from test_daemon_protocol import raw_socket, read_frame
     before = rss_kb(daemon.pid)
@@ -393,3 +392,90 @@ def test_names_that_are_not_utf8_come_back_as_bytes(daemon, tmp_path):
     with daemon.client() as c:
         names = [e.name for e in c.list_dir(str(tmp_path))]
     assert "plain" in names and b"bad-\xff\xfe" in names
+
+
+# ---------------------------------------------------------------- the network
+@pytest.fixture(scope="module")
+def listener():
+    """A TCP server on every address of this host (loopback and the node's own, where
+    Ray's GCS listens too): what a sandbox with network must not reach."""
+    import socket
+    import threading
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen(64)
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, peer = server.accept()
+            except OSError:
+                return
+            accepted.append(peer)
+            conn.sendall(b"host secret\n")
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1], accepted
+    server.close()
+
+
+# busybox's nc (the host has busybox-static); "open" once a connection was made
+CONNECT = ("busybox --list | grep -qx nc || echo no-nc; "
+           "for h in %s; do if echo | busybox nc -w 2 $h %d >/dev/null 2>&1; then "
+           "echo open $h; else echo closed $h; fi; done")
+
+
+def node_addresses():
+    from sandman_ray.providers.network import host_addresses
+    return [a for a in host_addresses() if not a.startswith("127.")]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_a_sandbox_with_network_reaches_nothing_of_the_host(provider, busybox_rootfs,
+                                                            listener, image):
+    """Through slirp's gateway (the host's loopback), the host's loopback itself, and
+    every address of this node (Ray's GCS port among them): all refused, and the
+    host's server saw no connection."""
+    import ray
+    from sandman_ray.spec import SandboxSpec
+    port, accepted = listener
+    gcs_port = int(ray.get_runtime_context().gcs_address.rpartition(":")[2])
+    targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
+    spec = SandboxSpec(image=image if image == "host" else "dir:%s" % busybox_rootfs,
+                       network=True)
+    with Sandbox(provider, spec) as sb:
+        out = sh(sb, CONNECT % (" ".join(targets), port))
+        assert "no-nc" not in out and "open" not in out, out
+        assert out.count("closed") == len(targets), out
+        out = sh(sb, CONNECT % (" ".join(node_addresses()), gcs_port))
+        assert "open" not in out, out
+    assert accepted == []
+
+
+def test_network_allow_opens_exactly_what_it_names(provider, busybox_rootfs, listener):
+    """The same path works once the spec allows the node's address: the filter, not a
+    broken stack, is what refuses the rest."""
+    from sandman_ray.spec import SandboxSpec
+    port, accepted = listener
+    node = node_addresses()[0]
+    spec = SandboxSpec(image="dir:%s" % busybox_rootfs, network=True,
+                       network_allow=[node])
+    with Sandbox(provider, spec) as sb:
+        r = sb.client.exec(["/bin/sh", "-c", "busybox nc -w 2 %s %d </dev/null" % (node, port)])
+        assert r.stdout == b"host secret\n"
+        assert "closed" in sh(sb, CONNECT % ("10.0.2.2", port))
+    assert len(accepted) == 1
+
+
+def test_root_inside_cannot_lift_the_network_filter(provider, busybox_rootfs):
+    from sandman_ray.spec import SandboxSpec
+    with Sandbox(provider, SandboxSpec(image="dir:%s" % busybox_rootfs, network=True)) as sb:
+        out = sh(sb, "ip addr add 10.0.2.50/24 dev tap0; echo rc=$?; ip link set tap0 down; "
+                     "echo rc=$?; ip route del default; echo rc=$?")
+        assert "rc=0" not in out and "Operation not permitted" in out
+        rules = subprocess.run(["nsenter", "--net=/proc/%d/ns/net" % daemon_pid(sb),
+                                "iptables-legacy-save"], capture_output=True, text=True).stdout
+        assert "-A OUTPUT -d 169.254.0.0/16 -j REJECT" in rules
+        assert "-A OUTPUT -d 10.0.0.0/8 -j REJECT" in rules

@@ -86,10 +86,13 @@ def test_sandbox_sees_only_its_own_processes_and_only_loopback(provider, images)
         assert interfaces == ["lo"]
 
 
-def test_network_true_shares_the_host_network(provider, images):
+def test_network_true_gives_a_namespace_of_its_own_behind_slirp(provider, images):
     with Sandbox(provider, SandboxSpec(image=images["dir"], network=True)) as sb:
-        interfaces = sb.client.read_file("/proc/net/dev").decode()
-        assert len(interfaces.splitlines()) > 3
+        interfaces = [line.split(":")[0].strip() for line in
+                      sb.client.read_file("/proc/net/dev").decode().splitlines()[2:]]
+        assert sorted(interfaces) == ["lo", "tap0"]
+        assert "10.0.2.100" in sb.client.exec("ip -4 addr show tap0").text
+        assert sb.client.read_file("/etc/resolv.conf") == b"nameserver 10.0.2.3\n"
 
 
 def test_writes_stay_in_their_sandbox(provider, images, busybox_rootfs):

@@ -31,7 +31,6 @@ attaches them all: each exec in the chain costs ~1.3 ms here.
 """
 
 import asyncio
-import errno
 import fcntl
 import os
 import secrets
@@ -48,7 +47,9 @@ from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
 from sandman_ray.providers import seccomp
+from sandman_ray.providers.cgroups import Cgroups, rlimits
 from sandman_ray.providers.mounts import detached_tmpfs, detached_tree, fstab_path
+from sandman_ray.providers.network import RESOLV_CONF, SandboxNetwork
 from sandman_ray.providers.userns import IdRange
 from sandman_ray.spec import SandboxSpec
 
@@ -64,6 +65,7 @@ CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW",
 _LAUNCH = r"""
 for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
 for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
+[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
 exec 5<"$3" 6<"$4"
 mount -c -a -T "$1" || exit 98
 exec </dev/null 5<&- 6<&-
@@ -160,147 +162,6 @@ def _filter_pipe() -> Optional[int]:
     return read
 
 
-CONTROLLERS = ("memory", "pids", "cpu")
-
-
-class Cgroups:
-    """The cgroups of one sandbox: v1 controllers (memory, pids, cpu) where writable,
-    else the v2 unified hierarchy, else none (rlimits then stand in, see ``rlimits``).
-    ``applied`` says what was enforced and how.
-
-    A sandbox without limits still gets a group (v1: pids, with no limit; v2: one with
-    no controllers): it holds every process of the sandbox, so that removing the
-    sandbox, the janitor and ``leftovers`` find each one, even one that outlived its
-    bwrap. Such a group is made and joined where the host allows (``tracking``): a
-    host whose cgroups look writable but refuse it still starts the sandbox."""
-
-    V1 = Path("/sys/fs/cgroup")
-
-    def __init__(self, group: str):
-        self.group = group  # e.g. sandman/<pool>-<node>-<agent incarnation>/<sandbox id>
-        self.dirs: List[Path] = []
-        self.tracking: List[Path] = []  # of those, the groups that enforce nothing
-        self.applied: Dict[str, str] = {}
-
-    @classmethod
-    def unified(cls) -> bool:
-        return (cls.V1 / "cgroup.controllers").exists()
-
-    @classmethod
-    def locations(cls, group: str) -> List[str]:
-        """Where ``group`` is (or would be): one directory per v1 controller, or one in
-        the v2 hierarchy."""
-        if cls.unified():
-            return [str(cls.V1 / group)]
-        return [str(cls.V1 / c / group) for c in CONTROLLERS]
-
-    def create(self, spec: SandboxSpec) -> None:
-        wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
-        if self.unified():
-            self._create_v2(wanted)
-        else:
-            self._create_v1(wanted)
-
-    def _create_v1(self, wanted) -> None:
-        for controller, value in wanted.items():
-            if (value is None and controller != "pids") \
-                    or not os.access(self.V1 / controller, os.W_OK):
-                continue
-            path = self.V1 / controller / self.group
-            if value is None:  # a group that only holds the processes
-                self._track(path)
-                continue
-            path.mkdir(parents=True, exist_ok=True)
-            self.dirs.append(path)
-            if controller == "memory":
-                _write(path / "memory.limit_in_bytes", value)
-                if (path / "memory.memsw.limit_in_bytes").exists():
-                    _write(path / "memory.memsw.limit_in_bytes", value)
-            elif controller == "pids":
-                _write(path / "pids.max", value)
-            else:
-                _write(path / "cpu.cfs_period_us", 100000)
-                _write(path / "cpu.cfs_quota_us", int(value * 100000))
-            self.applied[controller] = "cgroup-v1"
-
-    def _create_v2(self, wanted) -> None:
-        root = self.V1
-        if not os.access(root, os.W_OK):
-            return
-        available = (root / "cgroup.controllers").read_text().split()
-        usable = [c for c, v in wanted.items() if v is not None and c in available]
-        if not usable:
-            self._track(root / self.group)
-            return
-        path, parts = root, self.group.split("/")
-        for part in parts:  # enable the controllers down to the leaf's parent
-            _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
-            path = path / part
-            path.mkdir(exist_ok=True)
-        self.dirs.append(path)
-        for controller in usable:
-            value = wanted[controller]
-            if controller == "memory":
-                _write(path / "memory.max", value)
-            elif controller == "pids":
-                _write(path / "pids.max", value)
-            else:
-                _write(path / "cpu.max", "%d 100000" % int(value * 100000))
-            self.applied[controller] = "cgroup-v2"
-
-    def _track(self, path: Path) -> None:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return
-        self.dirs.append(path)
-        self.tracking.append(path)
-
-    def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
-        """Every group's cgroup.procs; only those that enforce limits (False), or only
-        those that do not (True)."""
-        return [str(d / "cgroup.procs") for d in self.dirs
-                if tracking is None or (d in self.tracking) == tracking]
-
-    def kill_members(self) -> None:
-        """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
-        namespace with its init (the daemon, ``--as-pid-1``), and the daemon dies with
-        bwrap only through bwrap's parent-death signal: one daemon was once found alive
-        with its bwrap gone after a test run."""
-        from sandman_ray.providers.janitor import kill_listed
-        for procs in self.procs_files():
-            kill_listed(procs)
-
-    def remove(self) -> None:
-        """Remove the leaf groups (their processes must be gone). Blocking: agents call
-        it on a worker thread (``SandboxProcess.remove`` through ``run_in_executor``)."""
-        from sandman_ray.providers.janitor import remove_cgroup
-        for path in self.dirs:
-            try:
-                remove_cgroup(str(path))
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
-        self.dirs = []
-
-
-def _write(path: Path, value) -> None:
-    with open(path, "w") as fh:
-        fh.write(str(value))
-
-
-def rlimits(spec: SandboxSpec, applied: Dict[str, str]) -> List[str]:
-    """prlimit arguments for what cgroups could not enforce."""
-    args = []
-    if spec.memory is not None and "memory" not in applied:
-        args.append("--as=%d" % spec.memory)
-        applied["memory"] = "rlimit-as"
-    if spec.pids is not None and "pids" not in applied and spec.user:
-        args.append("--nproc=%d" % spec.pids)  # not enforced for uid 0
-        applied["pids"] = "rlimit-nproc"
-    return ["prlimit"] + args + ["--"] if args else []
-
-
 class SandboxProcess:
     """A sandbox's process chain and its state directory::
 
@@ -328,6 +189,8 @@ class SandboxProcess:
         self.token = secrets.token_hex(16)
         self.proc: Optional[subprocess.Popen] = None
         self.ready_fd: Optional[int] = None
+        self.net_fd: Optional[int] = None  # the launch writes to it in its network namespace
+        self.network: Optional[SandboxNetwork] = None
         self.applied: Dict[str, str] = {}
         self.started_at = 0.0
 
@@ -413,7 +276,9 @@ class SandboxProcess:
             # another uid: changing credentials clears the parent-death signal, and
             # bwrap's own init, which keeps it, must then hold the namespace.
             bwrap.append("--as-pid-1")
-        if not self.spec.network:
+        if self.spec.network:  # the launch's namespace, filtered (providers/network.py)
+            bwrap += ["--ro-bind", str(self.state_dir / "resolv.conf"), "/etc/resolv.conf"]
+        else:
             bwrap.append("--unshare-net")
         for cap in CAPABILITIES:
             bwrap += ["--cap-add", "CAP_" + cap]
@@ -427,7 +292,8 @@ class SandboxProcess:
         if user:
             bwrap += ["--user", user]
         return (rlimits(self.spec, self.applied) +
-                ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", _LAUNCH,
+                ["unshare", "--mount"] + (["--net"] if self.spec.network else []) +
+                ["--propagation", "private", "/bin/sh", "-c", _LAUNCH,
                  "sandman-launch", str(self.state_dir / "fstab"),
                  self.ids.userns_path if self.ids else "", str(self.state_dir / "run"),
                  str(self.bundle)] + bwrap)
@@ -461,7 +327,13 @@ class SandboxProcess:
         groups = self.cgroups or Cgroups("")
         env["SANDMAN_CGROUP_PROCS"] = " ".join(groups.procs_files(tracking=False))
         env["SANDMAN_CGROUP_TRACK"] = " ".join(groups.procs_files(tracking=True))
-        passed = [fd for fd in (ready_w, filter_r, token_fd) if fd is not None]
+        net_w = None
+        if self.spec.network:  # the launch says when its network namespace exists
+            self.net_fd, net_w = os.pipe()
+            net_w = _high(net_w)
+            env["SANDMAN_NET_FD"] = str(net_w)
+            self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow)
+        passed = [fd for fd in (ready_w, filter_r, token_fd, net_w) if fd is not None]
         lower = mounts.pop("lower", None)
         try:
             # the lower layer is the chain's stdin until the overlay is mounted
@@ -499,6 +371,11 @@ class SandboxProcess:
                 os.mkdir(rel / sub, mode, dir_fd=layer)
                 os.chmod(rel / sub, mode, dir_fd=layer)  # mkdir's mode passes the umask
                 os.chown(rel / sub, base, base, dir_fd=layer)
+            if self.spec.network:
+                conf = os.open(rel / "resolv.conf", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
+                               0o644, dir_fd=layer)
+                with os.fdopen(conf, "w") as fh:
+                    fh.write(RESOLV_CONF)
             if self.image.rootfs is not None:
                 made["lower"] = (self.ids.idmapped(self.image.rootfs) if self.ids is not None
                                  else detached_tree(self.image.rootfs, readonly=True))
@@ -531,11 +408,14 @@ class SandboxProcess:
         return fd
 
     async def wait_ready(self, timeout: float) -> str:
-        """Wait (without blocking the loop) until the daemon listens."""
+        """Wait (without blocking the loop) until the daemon listens, and its network,
+        if it has one, is up (set up while the daemon starts)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         buf = bytearray()
         fd = self._take_ready_fd()
+        network = asyncio.ensure_future(self._network_async(timeout)) \
+            if self.network is not None else None
 
         def readable():
             if done.done():
@@ -556,13 +436,51 @@ class SandboxProcess:
             loop.remove_reader(fd)
             os.close(fd)
         if not ok:
+            if network is not None:
+                network.cancel()
             raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
                               % (self.sandbox_id, timeout, self._failure()))
+        if network is not None:
+            try:
+                await network
+            except SandboxLost as exc:
+                raise SandboxLost("%s (%s)" % (exc, self._failure())) from None
         return self.address
+
+    async def _network_async(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        fd, self.net_fd = self.net_fd, None
+        up = loop.create_future()
+        loop.add_reader(fd, lambda: up.done() or up.set_result(None))
+        try:
+            await asyncio.wait_for(up, timeout)
+        except asyncio.TimeoutError:
+            raise SandboxLost("sandbox %s: its network namespace did not appear within "
+                              "%.1f s" % (self.sandbox_id, timeout)) from None
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        await loop.run_in_executor(None, self._start_network)
+
+    def _start_network(self) -> None:
+        network, proc = self.network, self.proc
+        if network is None or proc is None or proc.poll() is not None:
+            raise SandboxLost("sandbox %s stopped before its network was up" % self.sandbox_id)
+        network.start(proc.pid, self.cgroups.procs_files() if self.cgroups else ())
 
     def wait_ready_blocking(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         buf = b""
+        if self.network is not None:  # first the network, then the daemon
+            fd, self.net_fd = self.net_fd, None
+            try:
+                up = select.select([fd], [], [], timeout)[0]
+            finally:
+                os.close(fd)
+            if not up:
+                raise SandboxLost("sandbox %s: its network namespace did not appear within "
+                                  "%.1f s: %s" % (self.sandbox_id, timeout, self._failure()))
+            self._start_network()
         fd = self._take_ready_fd()
         try:
             while not buf.endswith(b"\n"):
@@ -611,6 +529,11 @@ class SandboxProcess:
         if self.ready_fd is not None:
             os.close(self.ready_fd)
             self.ready_fd = None
+        if self.network is not None:
+            self.network.stop()
+        if self.net_fd is not None:
+            os.close(self.net_fd)
+            self.net_fd = None
 
     def remove(self) -> None:
         """Everything the sandbox left on the host: state directory and cgroups."""

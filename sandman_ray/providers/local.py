@@ -80,7 +80,7 @@ class NodeAgent:
     def _start_janitor(self):
         """A process that cleans this agent's state once the agent is gone."""
         from sandman_ray.providers import janitor
-        from sandman_ray.providers.bwrap import Cgroups
+        from sandman_ray.providers.cgroups import Cgroups
         self.cgroup_dirs = Cgroups.locations(self.cgroup_parent)
         return janitor.start([str(self.state)] + self.cgroup_dirs)
 
@@ -205,7 +205,7 @@ def agent_group(pool: str, node_id: str, incarnation: str) -> str:
 def agent_groups(pool: str, node_id: Optional[str] = None) -> List[str]:
     """The agents' cgroups of ``pool`` on this host (of one node's agents when given),
     in every hierarchy."""
-    from sandman_ray.providers.bwrap import Cgroups
+    from sandman_ray.providers.cgroups import Cgroups
     node = re.escape(node_id[:16]) if node_id else r"[0-9a-f]{16}"
     name = re.compile(re.escape(pool) + "-" + node + r"-[0-9a-f]{8}$")
     found = []

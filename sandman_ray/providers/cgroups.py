@@ -1,0 +1,149 @@
+"""The cgroups of LocalProvider sandboxes (v1 controllers, or the v2 hierarchy) and the
+rlimits that stand in where no cgroup can enforce a limit."""
+
+import errno
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sandman_ray.spec import SandboxSpec
+
+CONTROLLERS = ("memory", "pids", "cpu")
+
+
+class Cgroups:
+    """The cgroups of one sandbox: v1 controllers (memory, pids, cpu) where writable,
+    else the v2 unified hierarchy, else none (rlimits then stand in, see ``rlimits``).
+    ``applied`` says what was enforced and how.
+
+    A sandbox without limits still gets a group (v1: pids, with no limit; v2: one with
+    no controllers): it holds every process of the sandbox, so that removing the
+    sandbox, the janitor and ``leftovers`` find each one, even one that outlived its
+    bwrap. Such a group is made and joined where the host allows (``tracking``): a
+    host whose cgroups look writable but refuse it still starts the sandbox."""
+
+    V1 = Path("/sys/fs/cgroup")
+
+    def __init__(self, group: str):
+        self.group = group  # e.g. sandman/<pool>-<node>-<agent incarnation>/<sandbox id>
+        self.dirs: List[Path] = []
+        self.tracking: List[Path] = []  # of those, the groups that enforce nothing
+        self.applied: Dict[str, str] = {}
+
+    @classmethod
+    def unified(cls) -> bool:
+        return (cls.V1 / "cgroup.controllers").exists()
+
+    @classmethod
+    def locations(cls, group: str) -> List[str]:
+        """Where ``group`` is (or would be): one directory per v1 controller, or one in
+        the v2 hierarchy."""
+        if cls.unified():
+            return [str(cls.V1 / group)]
+        return [str(cls.V1 / c / group) for c in CONTROLLERS]
+
+    def create(self, spec: SandboxSpec) -> None:
+        wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
+        if self.unified():
+            self._create_v2(wanted)
+        else:
+            self._create_v1(wanted)
+
+    def _create_v1(self, wanted) -> None:
+        for controller, value in wanted.items():
+            if (value is None and controller != "pids") \
+                    or not os.access(self.V1 / controller, os.W_OK):
+                continue
+            path = self.V1 / controller / self.group
+            if value is None:  # a group that only holds the processes
+                self._track(path)
+                continue
+            path.mkdir(parents=True, exist_ok=True)
+            self.dirs.append(path)
+            if controller == "memory":
+                _write(path / "memory.limit_in_bytes", value)
+                if (path / "memory.memsw.limit_in_bytes").exists():
+                    _write(path / "memory.memsw.limit_in_bytes", value)
+            elif controller == "pids":
+                _write(path / "pids.max", value)
+            else:
+                _write(path / "cpu.cfs_period_us", 100000)
+                _write(path / "cpu.cfs_quota_us", int(value * 100000))
+            self.applied[controller] = "cgroup-v1"
+
+    def _create_v2(self, wanted) -> None:
+        root = self.V1
+        if not os.access(root, os.W_OK):
+            return
+        available = (root / "cgroup.controllers").read_text().split()
+        usable = [c for c, v in wanted.items() if v is not None and c in available]
+        if not usable:
+            self._track(root / self.group)
+            return
+        path, parts = root, self.group.split("/")
+        for part in parts:  # enable the controllers down to the leaf's parent
+            _write(path / "cgroup.subtree_control", " ".join("+" + c for c in usable))
+            path = path / part
+            path.mkdir(exist_ok=True)
+        self.dirs.append(path)
+        for controller in usable:
+            value = wanted[controller]
+            if controller == "memory":
+                _write(path / "memory.max", value)
+            elif controller == "pids":
+                _write(path / "pids.max", value)
+            else:
+                _write(path / "cpu.max", "%d 100000" % int(value * 100000))
+            self.applied[controller] = "cgroup-v2"
+
+    def _track(self, path: Path) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return
+        self.dirs.append(path)
+        self.tracking.append(path)
+
+    def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
+        """Every group's cgroup.procs; only those that enforce limits (False), or only
+        those that do not (True)."""
+        return [str(d / "cgroup.procs") for d in self.dirs
+                if tracking is None or (d in self.tracking) == tracking]
+
+    def kill_members(self) -> None:
+        """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
+        namespace with its init (the daemon, ``--as-pid-1``), and the daemon dies with
+        bwrap only through bwrap's parent-death signal: one daemon was once found alive
+        with its bwrap gone after a test run."""
+        from sandman_ray.providers.janitor import kill_listed
+        for procs in self.procs_files():
+            kill_listed(procs)
+
+    def remove(self) -> None:
+        """Remove the leaf groups (their processes must be gone). Blocking: agents call
+        it on a worker thread (``SandboxProcess.remove`` through ``run_in_executor``)."""
+        from sandman_ray.providers.janitor import remove_cgroup
+        for path in self.dirs:
+            try:
+                remove_cgroup(str(path))
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+        self.dirs = []
+
+
+def _write(path: Path, value) -> None:
+    with open(path, "w") as fh:
+        fh.write(str(value))
+
+
+def rlimits(spec: SandboxSpec, applied: Dict[str, str]) -> List[str]:
+    """prlimit arguments for what cgroups could not enforce."""
+    args = []
+    if spec.memory is not None and "memory" not in applied:
+        args.append("--as=%d" % spec.memory)
+        applied["memory"] = "rlimit-as"
+    if spec.pids is not None and "pids" not in applied and spec.user:
+        args.append("--nproc=%d" % spec.pids)  # not enforced for uid 0
+        applied["pids"] = "rlimit-nproc"
+    return ["prlimit"] + args + ["--"] if args else []

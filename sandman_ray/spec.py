@@ -1,5 +1,6 @@
 """What a sandbox should be: plain dataclasses, validated on construction."""
 
+import dataclasses
 import ipaddress
 import re
 from dataclasses import dataclass, field
@@ -200,6 +201,10 @@ class PoolConfig:
         can) or ``delete``.
     client_quota: most sandboxes one client may hold at once (None: no limit).
     sweep_interval_s: how often the watchdog checks handles, TTLs and idle leases.
+    default_pids, default_memory, default_disk: the limits of every sandbox whose spec
+        sets none (None: no limit). No sandbox can fork-bomb the node, eat its memory
+        or fill its disk (Ray's logs and object spilling live there) unless its pool
+        says so.
     """
 
     provider: object = None
@@ -215,6 +220,9 @@ class PoolConfig:
     reuse: str = "reset"
     client_quota: Optional[int] = None
     sweep_interval_s: float = 0.5
+    default_pids: Optional[int] = 4096
+    default_memory: Optional[Union[int, str]] = "4Gi"
+    default_disk: Optional[Union[int, str]] = "4Gi"
 
     def __post_init__(self):
         def positive(name, integer=False, optional=False):
@@ -232,6 +240,9 @@ class PoolConfig:
         for name in ("sandbox_ttl_s", "idle_timeout_s"):
             positive(name, optional=True)
         positive("client_quota", integer=True, optional=True)
+        positive("default_pids", integer=True, optional=True)
+        self.default_memory = parse_bytes(self.default_memory, "PoolConfig.default_memory")
+        self.default_disk = parse_bytes(self.default_disk, "PoolConfig.default_disk")
         if self.idle_timeout_s is not None and self.idle_timeout_s < 10:
             # handles report use at most every 2 s; a shorter timeout would reclaim
             # sandboxes that are busy
@@ -244,8 +255,16 @@ class PoolConfig:
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError("PoolConfig.warm counts must be ints >= 0, got %r for %r"
                                  % (count, spec))
-            warm[SandboxSpec.of(spec)] = count
+            warm[self.limited(SandboxSpec.of(spec))] = count
         self.warm = warm
         if sum(warm.values()) > self.max_sandboxes:
             raise ValueError("PoolConfig.warm asks for %d sandboxes, more than max_sandboxes=%d"
                              % (sum(warm.values()), self.max_sandboxes))
+
+    def limited(self, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with this pool's default limits where it sets none: what the pool
+        creates, and the key its warm sets and waiters are matched by."""
+        wanted = {"pids": self.default_pids, "memory": self.default_memory,
+                  "disk": self.default_disk}
+        missing = {k: v for k, v in wanted.items() if getattr(spec, k) is None and v is not None}
+        return dataclasses.replace(spec, **missing) if missing else spec

@@ -479,3 +479,37 @@ def test_root_inside_cannot_lift_the_network_filter(provider, busybox_rootfs):
                                 "iptables-legacy-save"], capture_output=True, text=True).stdout
         assert "-A OUTPUT -d 169.254.0.0/16 -j REJECT" in rules
         assert "-A OUTPUT -d 10.0.0.0/8 -j REJECT" in rules
+
+
+# ---------------------------------------------------------------- limits by default
+def test_pool_defaults_stop_a_disk_filler_a_fork_bomb_and_a_memory_hog(provider,
+                                                                       busybox_rootfs):
+    """A spec that asks for no limits still gets the pool's: filling the disk ends in
+    ENOSPC, a fork bomb in EAGAIN, a memory hog in a kill, each seen by the command,
+    while a neighbour in the same pool and the host's disk notice nothing."""
+    import ray
+    import sandman_ray as sandman
+    from conftest import LOCAL_CACHE, LOCAL_STATE, unique_pool
+    pool = unique_pool(sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE),
+                       "limits", default_pids=64, default_memory="96Mi", default_disk="32Mi")
+    image = "dir:%s" % busybox_rootfs
+    host_free = shutil.disk_usage("/tmp").free
+    try:
+        with sandman.sandbox(image, pool=pool) as hog, \
+                sandman.sandbox(image, pool=pool) as neighbour:
+            disk = ray.get(hog.exec.remote("dd if=/dev/zero of=/tmp/fill bs=1M count=100"))
+            assert disk.exit_code != 0 and b"No space left on device" in disk.stderr
+            assert abs(shutil.disk_usage("/tmp").free - host_free) < 16 * 2 ** 20
+            bomb = ray.get(hog.exec.remote(
+                "for i in $(seq 100); do sleep 30 >/dev/null 2>&1 & done; echo done",
+                timeout=30))
+            assert b"can't fork" in bomb.stdout + bomb.stderr or \
+                b"Resource temporarily unavailable" in bomb.stdout + bomb.stderr
+            ray.get(hog.exec.remote("kill -9 -1 2>/dev/null; true"))
+            memory = ray.get(hog.exec.remote(
+                "dd if=/dev/zero of=/dev/null bs=200M count=1; echo rc=$?", timeout=60))
+            assert memory.stdout.strip() in (b"rc=137", b"rc=1")  # killed, or refused
+            assert ray.get(neighbour.exec.remote("echo fine")).stdout == b"fine\n"
+            assert ray.get(hog.exec.remote("echo still answering")).exit_code == 0
+    finally:
+        sandman.shutdown_pool(pool)

@@ -44,7 +44,16 @@ def test_pool_config_names_the_bad_field(kwargs, words):
 
 
 def test_pool_config_turns_image_strings_into_specs():
-    assert PoolConfig(warm={"host": 2}).warm == {SandboxSpec(image="host"): 2}
+    assert PoolConfig(warm={"host": 2}).warm == {
+        SandboxSpec(image="host", pids=4096, memory="4Gi", disk="4Gi"): 2}
+
+
+def test_pool_defaults_fill_only_the_limits_a_spec_leaves_open():
+    config = PoolConfig(default_pids=100, default_memory="1Gi", default_disk=None)
+    spec = config.limited(SandboxSpec(image="host", pids=7))
+    assert (spec.pids, spec.memory, spec.disk) == (7, 2 ** 30, None)
+    with pytest.raises(ValueError, match="default_memory"):
+        PoolConfig(default_memory="lots")
 
 
 @pytest.mark.parametrize("name", ["a/b", "", "-lead", "x" * 64, "sp ace", "dots/../up", 7, None])

@@ -170,7 +170,7 @@ class PoolActor:
         without such an actor may name ``handle``, an actor whose liveness is then
         watched from the moment the lease is lent."""
         await self._ensure_started()
-        spec = SandboxSpec.of(spec)
+        spec = self.config.limited(SandboxSpec.of(spec))
         loop = asyncio.get_running_loop()
         # the lease id is a bearer secret (128 bits): listings never show it
         waiter = Waiter(client, spec, loop.create_future(), "L-" + uuid.uuid4().hex,

@@ -29,17 +29,23 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/bin/python
 	$(BIN)/pip install -q -e '.[$*]'
 	touch $@
 
-demo: system-packages $(call STAMP,examples)
+# The default image, builtin:debian (Debian 12 minbase with python3, debootstrap from
+# Debian's mirror), built once into the cache that the demo and the tests use.
+BUILTIN := .cache/provider/images/builtin-debian/meta.json
+$(BUILTIN): | system-packages $(call STAMP,examples)
+	$(BIN)/python -m sandman_ray.image_builders .cache/provider
+
+demo: system-packages $(call STAMP,examples) $(BUILTIN)
 	$(BIN)/python examples/rl_rollout/train.py
 
-test: system-packages $(call STAMP,test)
+test: system-packages $(call STAMP,test) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # the fault suite (bench/chaos.py), every scenario once, as a test
-test-chaos: system-packages $(call STAMP,test)
+test-chaos: system-packages $(call STAMP,test) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_chaos.py
 
-bench: system-packages $(call STAMP,bench)
+bench: system-packages $(call STAMP,bench) $(BUILTIN)
 	$(BIN)/python bench/run_all.py
 
 clean:

@@ -2,8 +2,8 @@
 
     import ray, sandman_ray as sandman
     ray.init()
-    sandman.create_pool("default", warm={"host": 4})
-    with sandman.sandbox("host") as sb:
+    sandman.create_pool("default", warm={"builtin:debian": 4})
+    with sandman.sandbox() as sb:   # builtin:debian
         ray.get(sb.exec.remote("echo hi"))
 """
 

@@ -13,7 +13,7 @@ import ray
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, handle_name_prefix, pool_actor_name
-from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name
+from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
 POOL_RESTART_RETRIES = 20  # times a lease request is asked again of a restarting PoolActor
@@ -135,7 +135,7 @@ def _forget_host(node_id: Optional[str], host) -> None:
             del _hosts[node_id or ""]
 
 
-def acquire(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
+def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
             client: Optional[str] = None) -> SandboxHandle:
     """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
     ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
@@ -162,7 +162,7 @@ def _lease(pool: str, spec: SpecLike, client: Optional[str], deadline: float):
             time.sleep(_retry_after(exc, attempt, deadline))
 
 
-async def acquire_async(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0,
+async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
                         client: Optional[str] = None) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     _pool_for(pool)
@@ -241,8 +241,8 @@ def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:
 
 
 @contextlib.contextmanager
-def sandbox(spec: SpecLike = "host", pool: str = "default", timeout: float = 60.0):
-    """``with sandman_ray.sandbox("host") as sb: ray.get(sb.exec.remote("ls"))``"""
+def sandbox(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0):
+    """``with sandman_ray.sandbox() as sb: ray.get(sb.exec.remote("ls"))``"""
     handle = acquire(spec, pool, timeout)
     try:
         yield handle

@@ -83,6 +83,8 @@ class ImageCache:
         kind, location, tag = parse(image)
         if kind == "host":
             return PreparedImage(image, None, ImageConfig(), "host", "in place")
+        if kind == "builtin":
+            return self._builtin(image, location)
         if kind == "dir":
             if not os.path.isdir(location):
                 raise fatal("image %r: no such directory" % image)
@@ -155,6 +157,25 @@ class ImageCache:
             _run(["skopeo", "copy", "--quiet", "docker://" + reference,
                   "oci:%s:image" % layout], reference)
         return str(layout), "image"
+
+    # ---- built-in images
+    def _builtin(self, image: str, name: str) -> PreparedImage:
+        from sandman_ray.image_builders import build_builtin
+        entry = self.root / ("builtin-" + name)
+        rootfs = entry / "rootfs"
+        if not (entry / "meta.json").exists():
+            with _locked(self.root / ("builtin-%s.lock" % name)):
+                if not (entry / "meta.json").exists():  # built meanwhile by another process
+                    try:
+                        build_builtin(name, rootfs)
+                    except (OSError, subprocess.CalledProcessError) as exc:
+                        why = (exc.stderr or b"").decode(errors="replace")[-400:] if \
+                            isinstance(exc, subprocess.CalledProcessError) else str(exc)
+                        raise fatal("image %s could not be built (debootstrap needs Debian's "
+                                    "package mirror): %s" % (image, why)) from exc
+                    (entry / "meta.json").write_text(json.dumps(
+                        {"image": image, "unpacked_by": "debootstrap"}))
+        return PreparedImage(image, rootfs, ImageConfig(workdir="/root"), image, "debootstrap")
 
     # ---- the cache itself
     def _cached(self, image: str, digest: str, config: ImageConfig, unpack) -> PreparedImage:

@@ -52,10 +52,23 @@ def _networks(allow) -> Tuple[str, ...]:
     return tuple(out)
 
 
+# Images the LocalProvider builds itself from Debian's packages, on first use on each
+# node, and caches (sandman_ray.image_builders): ``builtin:debian`` is Debian 12 minbase
+# with python3, the default image of every spec.
+BUILTIN_IMAGES = ("debian",)
+DEFAULT_IMAGE = "builtin:debian"
+
+
 def parse_image(image: str) -> Tuple[str, str, str]:
     """(kind, location, tag) of an image string; ValueError naming the problem."""
     if image == "host":
         return "host", "", ""
+    if image.startswith("builtin:"):
+        name = image[len("builtin:"):]
+        if name not in BUILTIN_IMAGES:
+            raise ValueError("image %r: the built-in images are %s"
+                             % (image, ", ".join("builtin:" + n for n in BUILTIN_IMAGES)))
+        return "builtin", name, ""
     for kind in ("dir", "oci", "docker-archive"):
         if image.startswith(kind + ":"):
             rest = image[len(kind) + 1:]
@@ -69,7 +82,7 @@ def parse_image(image: str) -> Tuple[str, str, str]:
             return kind, rest, tag
     if "/" in image and not image.startswith("/") and " " not in image:
         return "registry", image, ""
-    raise ValueError("image %r is not host, dir:/path, oci:/path[:tag], "
+    raise ValueError("image %r is not builtin:debian, host, dir:/path, oci:/path[:tag], "
                      "docker-archive:/path.tar or a registry reference" % image)
 
 
@@ -77,9 +90,12 @@ def parse_image(image: str) -> Tuple[str, str, str]:
 class SandboxSpec:
     """A sandbox to acquire.
 
-    image: what to run: ``host`` (a read-only view of this machine), ``dir:/rootfs``,
-        ``oci:/layout[:tag]``, ``docker-archive:/image.tar``, or a registry reference
-        such as ``docker.io/library/python:3.12`` (needs skopeo and umoci).
+    image: what to run: ``builtin:debian`` (the default: Debian 12 minbase with python3,
+        built and cached by each node on first use), ``dir:/rootfs``,
+        ``oci:/layout[:tag]``, ``docker-archive:/image.tar``, a registry reference such
+        as ``docker.io/library/python:3.12`` (needs skopeo and umoci), or ``host``: a
+        read-only view of this machine's files (what any user may read), for trusted
+        code.
     cpu: CPU cores the sandbox may use (a quota; None: no limit).
     memory: memory limit, bytes or a size such as ``"512Mi"`` (None: no limit).
     pids: most processes at once (None: no limit).
@@ -102,7 +118,7 @@ class SandboxSpec:
     labels: free-form key/value pairs attached to the sandbox (listing, ownership).
     """
 
-    image: str = "host"
+    image: str = DEFAULT_IMAGE
     cpu: Optional[float] = None
     memory: Optional[Union[int, str]] = None
     pids: Optional[int] = None

@@ -17,7 +17,7 @@ import pytest
 from conftest import Sandbox, wait_until
 from sandman_ray import ProtocolError
 
-IMAGES = ("host", "busybox")
+IMAGES = ("default", "host", "busybox")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,12 @@ def provider(local_provider):
 
 @pytest.fixture(scope="module")
 def boxes(provider, busybox_rootfs):
-    """One sandbox of each image, shared by the attacks that do not spoil it."""
-    with Sandbox(provider, "host") as host, \
+    """One sandbox of each image, shared by the attacks that do not spoil it: the
+    default (builtin:debian), the host's files, a busybox rootfs."""
+    from sandman_ray.spec import DEFAULT_IMAGE
+    with Sandbox(provider, DEFAULT_IMAGE) as default, Sandbox(provider, "host") as host, \
             Sandbox(provider, "dir:%s" % busybox_rootfs) as busybox:
-        yield {"host": host, "busybox": busybox}
+        yield {"default": default, "host": host, "busybox": busybox}
 
 
 def sh(sb, cmd: str) -> str:
@@ -421,10 +423,21 @@ def listener():
     server.close()
 
 
-# busybox's nc (the host has busybox-static); "open" once a connection was made
+# "open" once a TCP connection was made: busybox's nc in the busybox image, python3 in
+# the others (the Debian image has no nc)
 CONNECT = ("busybox --list | grep -qx nc || echo no-nc; "
            "for h in %s; do if echo | busybox nc -w 2 $h %d >/dev/null 2>&1; then "
            "echo open $h; else echo closed $h; fi; done")
+CONNECT_PY = ("python3 -c 'import socket, sys\n"
+              "for h in sys.argv[2:]:\n"
+              "    s = socket.socket(); s.settimeout(2)\n"
+              "    try: s.connect((h, int(sys.argv[1]))); print(\"open\", h)\n"
+              "    except OSError: print(\"closed\", h)' %d %s")
+
+
+def connect(image: str, hosts, port: int) -> str:
+    hosts = " ".join(hosts) if not isinstance(hosts, str) else hosts
+    return CONNECT % (hosts, port) if image == "busybox" else CONNECT_PY % (port, hosts)
 
 
 def node_addresses():
@@ -443,13 +456,13 @@ def test_a_sandbox_with_network_reaches_nothing_of_the_host(provider, busybox_ro
     port, accepted = listener
     gcs_port = int(ray.get_runtime_context().gcs_address.rpartition(":")[2])
     targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
-    spec = SandboxSpec(image=image if image == "host" else "dir:%s" % busybox_rootfs,
-                       network=True)
+    images = {"default": SandboxSpec().image, "host": "host", "busybox": "dir:%s" % busybox_rootfs}
+    spec = SandboxSpec(image=images[image], network=True)
     with Sandbox(provider, spec) as sb:
-        out = sh(sb, CONNECT % (" ".join(targets), port))
+        out = sh(sb, connect(image, targets, port))
         assert "no-nc" not in out and "open" not in out, out
         assert out.count("closed") == len(targets), out
-        out = sh(sb, CONNECT % (" ".join(node_addresses()), gcs_port))
+        out = sh(sb, connect(image, node_addresses(), gcs_port))
         assert "open" not in out, out
     assert accepted == []
 
@@ -465,7 +478,7 @@ def test_network_allow_opens_exactly_what_it_names(provider, busybox_rootfs, lis
     with Sandbox(provider, spec) as sb:
         r = sb.client.exec(["/bin/sh", "-c", "busybox nc -w 2 %s %d </dev/null" % (node, port)])
         assert r.stdout == b"host secret\n"
-        assert "closed" in sh(sb, CONNECT % ("10.0.2.2", port))
+        assert "closed" in sh(sb, connect("busybox", "10.0.2.2", port))
     assert len(accepted) == 1
 
 

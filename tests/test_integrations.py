@@ -47,7 +47,8 @@ def pool(cluster):
 def one_sandbox_pool(cluster):
     """Every episode gets the same sandbox: what one episode left, the next would see
     unless the pool reset it."""
-    name = new_pool(warm={"host": 1}, max_sandboxes=1)
+    from sandman_ray.spec import DEFAULT_IMAGE
+    name = new_pool(warm={DEFAULT_IMAGE: 1}, max_sandboxes=1)
     yield name
     sandman.shutdown_pool(name)
 

@@ -72,7 +72,7 @@ def test_bad_image_strings_fail_fatally_with_the_reason(provider):
         with pytest.raises(ProviderError) as err:
             run(provider.create(new_id(), SandboxSpec(image=image), {}))
         assert err.value.kind == "fatal" and words in str(err.value)
-    with pytest.raises(ValueError, match="not host"):
+    with pytest.raises(ValueError, match="not builtin:debian, host"):
         SandboxSpec(image="busybox")  # no registry host: refused before any work
 
 

@@ -7,7 +7,7 @@ from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name, parse_byt
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"image": ""}, "image must be a non-empty string"),
-    ({"image": "busybox"}, "is not host, dir:/path"),
+    ({"image": "busybox"}, "is not builtin:debian, host, dir:/path"),
     ({"image": "dir:relative"}, "needs an absolute path"),
     ({"cpu": 0}, "cpu must be a positive number"),
     ({"memory": "lots"}, "memory must be bytes or a size"),

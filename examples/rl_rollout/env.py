@@ -13,6 +13,7 @@ from gymnasium import spaces
 
 from coderepair import EDITS, FEATURES, REPO_DIR, TEST_COMMAND, edit_mask, features, make_task
 from sandman_ray.integrations.gym import SandboxEnv
+from sandman_ray.spec import DEFAULT_IMAGE
 
 
 class CodeRepairEnv(SandboxEnv):
@@ -24,7 +25,7 @@ class CodeRepairEnv(SandboxEnv):
 
     def __init__(self, config: Optional[dict] = None):
         config = dict(config or {})
-        super().__init__(config.get("image", "host"), pool=config.get("pool", "default"))
+        super().__init__(config.get("image", DEFAULT_IMAGE), pool=config.get("pool", "default"))
         self.task = None
         self.source = ""
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 import ray  # noqa: E402
 
 import sandman_ray as sandman  # noqa: E402
+from sandman_ray.spec import DEFAULT_IMAGE  # noqa: E402
 from common import CACHE_ROOT, init_ray, require_positive, sandboxes_left  # noqa: E402
 
 POOL = "rllib-ppo"
@@ -30,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--env-runners", type=int, default=1)
     parser.add_argument("--envs-per-runner", type=int, default=2)
     parser.add_argument("--batch", type=int, default=128, help="train batch per learner")
-    parser.add_argument("--image", default="host")
+    parser.add_argument("--image", default=DEFAULT_IMAGE)
     parser.add_argument("--state-root", default="/tmp/sandman-ray/state")
     parser.add_argument("--cache-root", default=CACHE_ROOT)
     args = parser.parse_args(argv)

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 import sandman_ray as sandman  # noqa: E402
+from sandman_ray.spec import DEFAULT_IMAGE  # noqa: E402
 from common import CACHE_ROOT, init_ray, require_positive, sandboxes_left  # noqa: E402
 from coderepair import EDITS, FEATURES  # noqa: E402
 from policy import LinearPolicy  # noqa: E402
@@ -41,8 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="episodes in flight per worker (one sandbox each)")
     parser.add_argument("--learning-rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image", default="host",
-                        help="sandbox image; it needs python3 (default: the host, read-only)")
+    parser.add_argument("--image", default=DEFAULT_IMAGE,
+                        help="sandbox image; it needs python3 (default: %(default)s, Debian 12 "
+                        "minbase with python3, built on first use)")
     parser.add_argument("--plot", metavar="PNG", help="save reward over iterations (matplotlib)")
     parser.add_argument("--json", metavar="PATH", help="write the run's figures as JSON")
     parser.add_argument("--policy", choices=("linear", "openai"), default="linear",

@@ -30,7 +30,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.client import ExecResult, tar_of
 from sandman_ray.errors import SandmanError
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
 
 __all__ = ["SandboxEnv"]
 
@@ -50,7 +50,7 @@ class SandboxEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, spec: Union[SandboxSpec, str] = "host", pool: str = "default",
+    def __init__(self, spec: Union[SandboxSpec, str] = DEFAULT_IMAGE, pool: str = "default",
                  acquire_timeout_s: float = 120.0, exec_timeout_s: float = 60.0):
         super().__init__()
         self.sandbox_spec = SandboxSpec.of(spec)  # (gymnasium's ``spec`` is the EnvSpec)

@@ -35,7 +35,7 @@ from typing import Any, Dict, Optional, Tuple
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
 
 try:  # verl's own response type when verl is installed
     from verl.tools.schemas import ToolResponse
@@ -91,7 +91,7 @@ class SandboxTool:
                              % (unknown, sorted(known)))
         self.pool = config.get("pool", "default")
         self.spec = SandboxSpec(**config["spec"]) if "spec" in config \
-            else SandboxSpec.of(config.get("image", "host"))
+            else SandboxSpec.of(config.get("image", DEFAULT_IMAGE))
         self.workdir = config.get("workdir", "/tmp/work")
         self.exec_timeout_s = float(config.get("exec_timeout_s", 30.0))
         self.acquire_timeout_s = float(config.get("acquire_timeout_s", 120.0))

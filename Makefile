@@ -8,13 +8,14 @@ STAMP = $(VENV)/.installed-$(1)
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
 # (unshare, nsenter, prlimit, mount) around sandboxes, slirp4netns and iptables for the
-# outbound network of sandboxes that ask for one, skopeo and umoci for images, debootstrap for the
+# outbound network of sandboxes that ask for one, runsc (gVisor) for LocalProvider(isolation=
+# "gvisor"), skopeo and umoci for images, debootstrap for the
 # Debian test image, podman, runc and iptables (netavark's port publishing) for the
 # DockerProvider's engine (Podman's Docker API service; the tests start their own),
 # docker-registry for the tests' pulls, chromium for the test that looks at the Ray
 # dashboard.
 DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
-	slirp4netns podman runc iptables docker-registry chromium
+	slirp4netns runsc podman runc iptables docker-registry chromium
 
 .PHONY: demo test test-chaos bench system-packages clean
 

@@ -9,7 +9,7 @@ local Ray, one after the other in one run:
 
 Prints a table and one JSON line.
 
-    python bench/local.py [--providers local,local-host-root,local-network,docker] [--image dir:/path]
+    python bench/local.py [--providers local,local-host-root,local-network,local-gvisor,docker] [--image dir:/path]
                           [--docker-image REF] [--bursts 1,50,200] [--resets 50]
 """
 
@@ -88,6 +88,16 @@ async def measure(provider, spec, args, pid_of):
             out["pss_kb_per_sandbox"] = sum(pss) / len(pss)
         ids = [r[0] for r in results]
         if n == 1:
+            info = results[0][1]
+            client = await AsyncDaemonClient.connect(info.address, info.token)
+            execs = []
+            for _ in range(args.execs):
+                t = time.perf_counter()
+                await client.exec("true")
+                execs.append(time.perf_counter() - t)
+            client.close()
+            rows["exec true (daemon client)"] = (pct(execs, 0.5), pct(execs, 0.99), None)
+            out["exec_true"] = {"p50_ms": pct(execs, 0.5) * 1e3, "p99_ms": pct(execs, 0.99) * 1e3}
             resets = []
             for _ in range(args.resets):
                 t = time.perf_counter()
@@ -110,12 +120,12 @@ async def measure(provider, spec, args, pid_of):
     return rows, out
 
 
-def local_setup(args, user_namespaces=True, network=False):
+def local_setup(args, user_namespaces=True, network=False, isolation="namespaces"):
     name = "bench-local" + ("-network" if network else "") + (
-        "" if user_namespaces else "-host-root")
+        "" if user_namespaces else "-host-root") + ("-gvisor" if isolation == "gvisor" else "")
     provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
                              cache_root=str(ROOT / ".cache" / "provider"),
-                             user_namespaces=user_namespaces).bind(name)
+                             user_namespaces=user_namespaces, isolation=isolation).bind(name)
     image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
     return (provider, SandboxSpec(image=image, network=network),
             lambda info: [info.details["pid"]], None)
@@ -143,10 +153,12 @@ def docker_setup(args):
 # local: each sandbox in a user namespace of its own (the default); local-host-root:
 # LocalProvider(user_namespaces=False), root inside is host root (what the user
 # namespace costs, side by side); local-network: SandboxSpec(network=True), a network
-# namespace of its own behind slirp4netns and the filter
+# namespace of its own behind slirp4netns and the filter; local-gvisor:
+# LocalProvider(isolation="gvisor")
 SETUPS = {"local": local_setup, "docker": docker_setup,
           "local-host-root": lambda args: local_setup(args, user_namespaces=False),
-          "local-network": lambda args: local_setup(args, network=True)}
+          "local-network": lambda args: local_setup(args, network=True),
+          "local-gvisor": lambda args: local_setup(args, isolation="gvisor")}
 
 
 async def main_async(args):
@@ -191,6 +203,7 @@ def main():
                         help="DockerProvider image (default: the busybox rootfs imported)")
     parser.add_argument("--bursts", default="1,50,200")
     parser.add_argument("--resets", type=int, default=50)
+    parser.add_argument("--execs", type=int, default=500, help="exec true on one sandbox")
     args = parser.parse_args()
     args.bursts = [int(b) for b in args.bursts.split(",")]
     args.providers = [p for p in args.providers.split(",") if p]

@@ -526,3 +526,55 @@ def test_pool_defaults_stop_a_disk_filler_a_fork_bomb_and_a_memory_hog(provider,
             assert ray.get(hog.exec.remote("echo still answering")).exit_code == 0
     finally:
         sandman.shutdown_pool(pool)
+
+
+# ---------------------------------------------------------------- under gVisor
+@pytest.fixture(scope="module")
+def gvisor_box(local_provider):
+    """A builtin:debian sandbox of LocalProvider(isolation="gvisor") on the same Ray."""
+    import sandman_ray as sandman
+    from conftest import LOCAL_CACHE, LOCAL_STATE, run
+    from sandman_ray.spec import DEFAULT_IMAGE
+    if shutil.which("runsc") is None:
+        pytest.fail("runsc is missing: make test installs it (apt-get install runsc)")
+    provider = sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                                     isolation="gvisor").bind("gvisor-%s" % uuid.uuid4().hex[:6])
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        yield sb, provider
+    run(provider.shutdown())
+
+
+def test_gvisor_runs_the_same_daemon_under_its_own_kernel(gvisor_box):
+    sb, _ = gvisor_box
+    assert sb.info.details["isolation"] == "gvisor"
+    assert sh(sb, "uname -r").strip() != os.uname().release  # gVisor's, not the host's
+    assert sb.client.exec("python3 -c 'print(6 * 7)'").stdout == b"42\n"
+    sb.client.run("cd /tmp && export A=1")
+    assert sb.client.run("echo $A $(pwd)").stdout == b"1 /tmp\n"
+    sb.client.write_file("/root/x", b"data")
+    assert sb.client.read_file("/root/x") == b"data"
+
+
+def test_under_gvisor_the_host_kernel_and_files_are_out_of_reach(gvisor_box):
+    """/proc/sys, the host's processes and the image on the host's disk: the attacks
+    land in gVisor's kernel and in the sandbox's memory, never on the host."""
+    from sandman_ray.images import ImageCache
+    from conftest import LOCAL_CACHE
+    sb, _ = gvisor_box
+    before = open("/proc/sys/kernel/core_pattern").read()
+    me = os.getpid()
+    out = sh(sb, "echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern; echo rc=$?; "
+                 "kill -0 %d; echo rc=$?; echo pwned > /etc/passwd; echo wrote=$?; "
+                 "mknod /tmp/mem c 1 1 && head -c 1 /tmp/mem; echo rc=$?" % me)
+    assert "rc=0" not in out and "wrote=0" in out, out
+    assert open("/proc/sys/kernel/core_pattern").read() == before
+    rootfs = ImageCache(os.path.join(LOCAL_CACHE, "images")).prepare("builtin:debian").rootfs
+    assert b"pwned" not in (rootfs / "etc" / "passwd").read_bytes()
+
+
+def test_gvisor_refuses_the_host_image_and_says_why(gvisor_box):
+    from sandman_ray.errors import ProviderError
+    from conftest import new_id, run
+    _, provider = gvisor_box
+    with pytest.raises(ProviderError, match="under gVisor a sandbox needs an image"):
+        run(provider.create(new_id(), __import__("sandman_ray").SandboxSpec(image="host"), {}))

@@ -301,13 +301,7 @@ class SandboxProcess:
     def launch(self) -> None:
         """Start the chain (from a thread that lives as long as the sandbox should:
         bwrap dies with its parent thread)."""
-        run = self.state_dir / "run"
-        if run.exists():  # a reset: nothing the last tenant left here stays
-            shutil.rmtree(run)
-        run.mkdir(mode=0o700, parents=True)
-        user = self._user()
-        uid, _, gid = (user or "0:0").partition(":")
-        os.chown(run, self._id_inside(int(uid)), self._id_inside(int(gid or uid)))
+        self._prepare_run_dir()
         if self.cgroups is not None and not self.cgroups.dirs:
             self.cgroups.create(self.spec)
         self.applied = dict(self.cgroups.applied) if self.cgroups else {}
@@ -349,6 +343,16 @@ class SandboxProcess:
             _close(passed + list(mounts.values()) + ([lower] if lower is not None else []))
         self.ready_fd = ready_r
         self.started_at = time.time()
+
+    def _prepare_run_dir(self) -> None:
+        """An empty run directory (a reset's too: nothing the last tenant left there
+        stays), owned by the daemon's uid as the host sees it."""
+        run = self.state_dir / "run"
+        if run.exists():
+            shutil.rmtree(run)
+        run.mkdir(mode=0o700, parents=True)
+        uid, _, gid = (self._user() or "0:0").partition(":")
+        os.chown(run, self._id_inside(int(uid)), self._id_inside(int(gid or uid)))
 
     def _mounts(self) -> Dict[str, int]:
         """The sandbox's mounts, made detached for the launch to attach: ``layer`` (a

@@ -578,3 +578,24 @@ def test_gvisor_refuses_the_host_image_and_says_why(gvisor_box):
     _, provider = gvisor_box
     with pytest.raises(ProviderError, match="under gVisor a sandbox needs an image"):
         run(provider.create(new_id(), __import__("sandman_ray").SandboxSpec(image="host"), {}))
+
+
+def test_the_specs_environment_never_reaches_the_host_side_of_the_launch(provider,
+                                                                          busybox_rootfs,
+                                                                          tmp_path):
+    """An image's or a spec's PATH and LD_PRELOAD apply inside the sandbox only: the
+    launch runs as host root until it enters the sandbox's user namespace, and a
+    ``mount`` or ``nsenter`` found on a PATH the tenant chose would run as host root."""
+    from sandman_ray.spec import SandboxSpec
+    trap = tmp_path / "bin"
+    trap.mkdir()
+    marker = tmp_path / "ran-as-host-root"
+    for name in ("mount", "nsenter", "unshare", "bwrap", "prlimit", "sh"):
+        (trap / name).write_text("#!/bin/sh\ntouch %s\nexit 1\n" % marker)
+        (trap / name).chmod(0o755)
+    os.chmod(tmp_path, 0o755)
+    spec = SandboxSpec(image="dir:%s" % busybox_rootfs,
+                       env={"PATH": "%s:/bin:/usr/bin" % trap, "LD_PRELOAD": "/nonexistent.so"})
+    with Sandbox(provider, spec) as sb:
+        assert sh(sb, "echo $PATH").startswith(str(trap))  # the sandbox's own PATH
+    assert not marker.exists()

@@ -285,6 +285,9 @@ class SandboxProcess:
         if seccomp_fd is not None:
             bwrap += ["--seccomp", str(seccomp_fd)]
         workdir = self._workdir()
+        bwrap.append("--clearenv")
+        for key, value in sorted(self._environment().items()):
+            bwrap += ["--setenv", key, value]
         bwrap += ["--chdir", workdir] + daemon_argv() + [
             "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
@@ -317,7 +320,9 @@ class SandboxProcess:
         filter_r = _filter_pipe()
         filter_r = _high(filter_r) if filter_r is not None else None
         token_fd = _high(_token_pipe(self.token))
-        env = self._environment()
+        # The chain runs as host root until nsenter: nothing of the image's or the spec's
+        # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
+        env = {"PATH": DEFAULT_PATH}
         groups = self.cgroups or Cgroups("")
         env["SANDMAN_CGROUP_PROCS"] = " ".join(groups.procs_files(tracking=False))
         env["SANDMAN_CGROUP_TRACK"] = " ".join(groups.procs_files(tracking=True))

@@ -90,6 +90,8 @@ class Cgroups:
             value = wanted[controller]
             if controller == "memory":
                 _write(path / "memory.max", value)
+                if (path / "memory.swap.max").exists():  # no swapping past the limit
+                    _write(path / "memory.swap.max", 0)
             elif controller == "pids":
                 _write(path / "pids.max", value)
             else:

@@ -70,7 +70,11 @@ def make_userns(base: int) -> int:
     process unshares it and waits; this (root) process writes its maps, opens the
     namespace and lets the child exit: the descriptor keeps the namespace alive."""
     # the child says "in" once unshared, then waits for its maps (the end of its stdin)
-    child = subprocess.Popen(["unshare", "--user", "/bin/sh", "-c", "echo in; read _"],
+    # made by the range's own uid: the kernel charges what the namespace's processes
+    # hold (inotify instances, pending signals ...) to its creator, never to host root
+    child = subprocess.Popen(["setpriv", "--reuid=%d" % base, "--regid=%d" % base,
+                              "--clear-groups", "unshare", "--user", "/bin/sh", "-c",
+                              "echo in; read _"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, close_fds=True)
     try:

@@ -8,7 +8,7 @@ beside this file: 4-byte big-endian length + one msgpack map per frame.
 
 Usage::
 
-    sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT
+    sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT | fd:N
                 [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
@@ -1265,7 +1265,14 @@ class Daemon:
 
     def _listen(self, listen):
         kind, _, where = listen.partition(":")
-        if kind == "unix":
+        if kind == "fd":
+            # a socket its launcher bound and listens on: outside the sandbox's reach,
+            # it cannot be moved aside or replaced from inside
+            sock = _socket.socket(-1, -1, -1, int(where))
+            name = sock.getsockname()
+            address = "unix:" + name if isinstance(name, str) else "tcp:%s:%d" % name[:2]
+            kind = "unix" if isinstance(name, str) else "tcp"
+        elif kind == "unix":
             # Bound and listening under a temporary name, then renamed: whoever sees
             # the socket's path can connect (a launcher outside the sandbox may wait for
             # the path to appear).
@@ -1295,7 +1302,8 @@ class Daemon:
             bound = sock.getsockname()
             address = "tcp:%s:%d" % (bound[0], bound[1])
         else:
-            raise SystemExit("sandmand: --listen must be unix:PATH or tcp:HOST:PORT, got %r" % listen)
+            raise SystemExit("sandmand: --listen must be unix:PATH, tcp:HOST:PORT or fd:N, "
+                             "got %r" % listen)
         sock.listen(1024)
         sock.setblocking(False)
         self.server = sock
@@ -2686,7 +2694,8 @@ def main(argv=None):
     if not token:
         raise SystemExit("sandmand: no token (give --token-file or SANDMAN_TOKEN)")
     ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
-    _close_inherited(keep=ready_fd)
+    listen_fd = int(opts["listen"][3:]) if opts["listen"].startswith("fd:") else None
+    _close_inherited(keep=(ready_fd, listen_fd))
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
@@ -2703,11 +2712,11 @@ def main(argv=None):
 
 
 def _close_inherited(keep):
-    """Close every descriptor the launcher left open (beyond stdio and ``keep``): the
-    daemon holds nothing it did not open itself."""
+    """Close every descriptor the launcher left open (beyond stdio and those in
+    ``keep``): the daemon holds nothing it did not open itself."""
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
         fd = int(name)
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:

@@ -145,7 +145,7 @@ class _HandleHost:
     def _bind(self, lease) -> str:
         try:
             client = DaemonClient(lease.address, lease.token)
-        except ConnectionLost as exc:
+        except (ConnectionLost, AuthError) as exc:  # gone, or started afresh meanwhile
             self._tell_pool(lease.pool, "release", lease.lease_id)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
         with self.lock:

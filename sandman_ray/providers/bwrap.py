@@ -10,13 +10,17 @@ The process chain, per sandbox (recipes measured in PLATFORM.md)::
               sandbox's range, over the state root: it also holds the directories
               below, and hides every other sandbox's state from the setup
             - the overlay (lower: the image, idmapped to the range; upper: that tmpfs)
-            - the sandbox's run directory and the daemon bundle (read-only)
+            - the daemon bundle (read-only)
         exec nsenter --user=RANGE'S NAMESPACE        (root inside = the range's first id)
-          bwrap --bind ROOT / --ro-bind BUNDLE /.sandman --bind RUN /run/sandman
+          bwrap --bind ROOT / --ro-bind BUNDLE /.sandman
                 --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
                 --ro-bind /proc/sys /proc/sys --cap-drop ALL --cap-add (a container's
                 default set) --seccomp FD (providers/seccomp.py) ...
-            /.sandman/bin/sandmand --listen unix:/run/sandman/sock ...   (PID 1 inside)
+            /.sandman/bin/sandmand --listen fd:N ...                    (PID 1 inside)
+
+The daemon's socket (state_dir/sock, root's, 0600) is bound and listened on by the
+agent, which hands the daemon its descriptor: no directory of the host's disk is
+writable from inside, and nothing inside can move the socket aside or stand in for it.
 
 Every mount is attached only in that private mount namespace, so it vanishes with the
 sandbox: no mount can leak, and the writable layer (a tmpfs) is gone with it. bwrap dies
@@ -37,6 +41,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -66,11 +71,11 @@ _LAUNCH = r"""
 for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
 for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
 [ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
-exec 5<"$3" 6<"$4"
+exec 6<"$3"
 mount -c -a -T "$1" || exit 98
-exec </dev/null 5<&- 6<&-
+exec </dev/null 6<&-
 userns=$2
-shift 4
+shift 3
 [ -z "$userns" ] || exec nsenter --user="$userns" "$@"
 exec "$@"
 """
@@ -165,8 +170,8 @@ def _filter_pipe() -> Optional[int]:
 class SandboxProcess:
     """A sandbox's process chain and its state directory::
 
-        state_dir/run/sock     the daemon's socket (bound at /run/sandman); the only
-                               part on the host's disk, owned by the sandbox's root
+        state_dir/sock         the daemon's socket, bound by the agent (0600, root's)
+        state_dir/fstab        what the launch mounts
         state_dir/upper, work  the overlay's writable layer  } on the chain's tmpfs,
         state_dir/root         the overlay's mount point     } seen by nothing else
 
@@ -196,7 +201,7 @@ class SandboxProcess:
 
     @property
     def address(self) -> str:
-        return "unix:%s" % (self.state_dir / "run" / "sock")
+        return "unix:%s" % (self.state_dir / "sock")
 
     def _environment(self) -> Dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
@@ -256,14 +261,11 @@ class SandboxProcess:
                 args += ["--ro-bind", path, path]
         return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
 
-    def _id_inside(self, host_id: int) -> int:
-        return host_id if self.ids is None else self.ids.host_id(host_id)
 
     def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None,
-             token_fd: Optional[int] = None) -> List[str]:
+             token_fd: Optional[int] = None, listen_fd: Optional[int] = None) -> List[str]:
         bwrap = ["bwrap"] + self._root_args() + [
             "--ro-bind", str(self.state_dir / "bundle"), DEFAULT_MOUNT,
-            "--bind", str(self.state_dir / "run"), SOCKET_DIR,
             # bwrap leaves /proc/sys writable for a root without its own user
             # namespace; in every mode it is the host's, read-only
             "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
@@ -289,7 +291,7 @@ class SandboxProcess:
         for key, value in sorted(self._environment().items()):
             bwrap += ["--setenv", key, value]
         bwrap += ["--chdir", workdir] + daemon_argv() + [
-            "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
+            "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
         if user:
@@ -298,13 +300,12 @@ class SandboxProcess:
                 ["unshare", "--mount"] + (["--net"] if self.spec.network else []) +
                 ["--propagation", "private", "/bin/sh", "-c", _LAUNCH,
                  "sandman-launch", str(self.state_dir / "fstab"),
-                 self.ids.userns_path if self.ids else "", str(self.state_dir / "run"),
-                 str(self.bundle)] + bwrap)
+                 self.ids.userns_path if self.ids else "", str(self.bundle)] + bwrap)
 
     def launch(self) -> None:
         """Start the chain (from a thread that lives as long as the sandbox should:
         bwrap dies with its parent thread)."""
-        self._prepare_run_dir()
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.cgroups is not None and not self.cgroups.dirs:
             self.cgroups.create(self.spec)
         self.applied = dict(self.cgroups.applied) if self.cgroups else {}
@@ -317,6 +318,7 @@ class SandboxProcess:
             _close(mounts.values())
             raise
         ready_w = _high(ready_w)
+        listen_fd = _high(self._listen())
         filter_r = _filter_pipe()
         filter_r = _high(filter_r) if filter_r is not None else None
         token_fd = _high(_token_pipe(self.token))
@@ -332,12 +334,12 @@ class SandboxProcess:
             net_w = _high(net_w)
             env["SANDMAN_NET_FD"] = str(net_w)
             self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow)
-        passed = [fd for fd in (ready_w, filter_r, token_fd, net_w) if fd is not None]
+        passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w) if fd is not None]
         lower = mounts.pop("lower", None)
         try:
             # the lower layer is the chain's stdin until the overlay is mounted
             self.proc = subprocess.Popen(
-                self.argv(ready_w, filter_r, token_fd), env=env,
+                self.argv(ready_w, filter_r, token_fd, listen_fd), env=env,
                 stdin=subprocess.DEVNULL if lower is None else lower,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=passed + list(mounts.values()), start_new_session=True)
@@ -349,24 +351,35 @@ class SandboxProcess:
         self.ready_fd = ready_r
         self.started_at = time.time()
 
-    def _prepare_run_dir(self) -> None:
-        """An empty run directory (a reset's too: nothing the last tenant left there
-        stays), owned by the daemon's uid as the host sees it."""
-        run = self.state_dir / "run"
-        if run.exists():
-            shutil.rmtree(run)
-        run.mkdir(mode=0o700, parents=True)
-        uid, _, gid = (self._user() or "0:0").partition(":")
-        os.chown(run, self._id_inside(int(uid)), self._id_inside(int(gid or uid)))
+    def _listen(self) -> int:
+        """The daemon's listening socket, new at every start, as a descriptor."""
+        path = self.state_dir / "sock"
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)  # born 0600: only root connects
+            where = os.open(self.state_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:  # through the directory's descriptor: a unix path holds 107 bytes
+                sock.bind("/proc/self/fd/%d/sock" % where)
+            finally:
+                os.close(where)
+                os.umask(old)
+            sock.listen(1024)
+            return sock.detach()
+        except BaseException:
+            sock.close()
+            raise
 
     def _mounts(self) -> Dict[str, int]:
         """The sandbox's mounts, made detached for the launch to attach: ``layer`` (a
         new tmpfs holding the sandbox's directories at their paths below the view
         root) and, for a rootfs image, ``lower`` (the rootfs, idmapped to the
         sandbox's range when it has one). Both are descriptors of 10 or more: the
-        launch's shell uses 5 and 6 for the run directory and the bundle, which it
-        opens itself (a clone of a directory of this namespace would not bind in the
-        launch's)."""
+        launch's shell uses 6 for the bundle, which it opens itself (a clone of a
+        directory of this namespace would not bind in the launch's)."""
         base = self.ids.base if self.ids is not None else 0
         made: Dict[str, int] = {}
         try:
@@ -375,7 +388,7 @@ class SandboxProcess:
             rel = self.state_dir.relative_to(self.view_root)
             for depth in range(1, len(rel.parts) + 1):
                 os.mkdir(Path(*rel.parts[:depth]), 0o755, dir_fd=layer)
-            for sub in ("upper", "work", "root", "run", "bundle"):
+            for sub in ("upper", "work", "root", "bundle"):
                 mode = 0o1777 if sub == "upper" and self.image.rootfs is None else 0o755
                 os.mkdir(rel / sub, mode, dir_fd=layer)
                 os.chmod(rel / sub, mode, dir_fd=layer)  # mkdir's mode passes the umask
@@ -403,8 +416,7 @@ class SandboxProcess:
         if "lower" in mounts:  # the launch's stdin
             lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=/proc/self/fd/0,"
                          "upperdir=%s/upper,workdir=%s/work 0 0" % (st, st, st))
-        lines.append("/proc/self/fd/5 %s/run none bind 0 0" % st)  # the launch opens them
-        lines.append("/proc/self/fd/6 %s/bundle none bind,ro 0 0" % st)
+        lines.append("/proc/self/fd/6 %s/bundle none bind,ro 0 0" % st)  # the launch's
         return "\n".join(lines) + "\n"
 
     def _take_ready_fd(self) -> int:

@@ -23,6 +23,7 @@ host's files that gVisor's file server would read as host root).
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from typing import List
@@ -51,6 +52,10 @@ class GvisorProcess(SandboxProcess):
                                 "fatal")
         if self.spec.network:
             raise ProviderError("network=True is not yet supported under gVisor", "fatal")
+
+    @property
+    def address(self) -> str:
+        return "unix:%s/sock" % (self.state_dir / "run")
 
     @property
     def container_id(self) -> str:
@@ -127,6 +132,16 @@ class GvisorProcess(SandboxProcess):
     def _runsc(self, *args: str) -> None:
         subprocess.run(["runsc", "--root", str(self.state_dir / "runsc")] + list(args),
                        capture_output=True, stdin=subprocess.DEVNULL)
+
+    def _prepare_run_dir(self) -> None:
+        """An empty run directory for the daemon's socket (a reset's too: nothing the
+        last tenant left there stays)."""
+        run = self.state_dir / "run"
+        if run.exists():
+            shutil.rmtree(run)
+        run.mkdir(mode=0o700, parents=True)
+        uid, _, gid = (self._user() or "0:0").partition(":")
+        os.chown(run, int(uid), int(gid or uid))
 
     def kill(self) -> None:
         """runsc's own kill first, and ``runsc run`` left to reap its sandbox and file

@@ -14,7 +14,8 @@ from sandman_ray.client import (
     AsyncDaemonClient, DaemonClient, ExecResult, FileStat, ProcessOutput, ProcessStatus)
 from sandman_ray.errors import (
     AcquireTimeout, AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout,
-    LeaseEnded, LeaseNotHeld, ProtocolError, ProviderError, SandboxLost, SandmanError)
+    LeaseEnded, LeaseNotHeld, ProtocolError, ProviderError, ResultTooLarge, SandboxLost,
+    SandmanError)
 from sandman_ray.providers.docker import DockerProvider
 from sandman_ray.providers.kubernetes import KubernetesProvider
 from sandman_ray.providers.local import LocalProvider
@@ -28,6 +29,7 @@ __all__ = [
     "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat",
     "KubernetesProvider", "LeaseEnded", "LeaseNotHeld", "LocalProvider",
     "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
+    "ResultTooLarge",
     "SandboxHandle", "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
     "get_pool", "release", "release_async", "sandbox", "shutdown_pool",
 ]

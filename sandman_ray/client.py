@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, S
 from sandman_ray.daemon.sandmand import (
     MAX_FRAME, PROTOCOL_VERSION, CodecError, FrameReader, encode_frame, unpack)
 from sandman_ray.errors import (
-    AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError)
+    AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError, ResultTooLarge)
 
 Command = Union[str, Sequence[str]]
 OnOutput = Callable[[str, bytes], None]
@@ -29,6 +29,7 @@ OnOutput = Callable[[str, bytes], None]
 REPLY_SLACK_S = 30.0
 READ_CHUNK = 32 * 1024 * 1024  # the daemon answers at most this much per file_read
 UPLOAD_CHUNK = 8 * 1024 * 1024
+MAX_RESULT_BYTES = 1 << 30  # read_file and get_archive keep at most this (max_bytes)
 
 
 # --------------------------------------------------------------------------- results
@@ -267,18 +268,27 @@ class _Operations:
                                  ProcessStatus.from_wire, self.default_timeout)
 
     # files
-    def read_file(self, path: str, offset: int = 0, length: Optional[int] = None):
-        """Read a file (all of it from ``offset`` unless ``length`` is given)."""
-        return self._run(self._read_plan(path, offset, length))
+    def read_file(self, path: str, offset: int = 0, length: Optional[int] = None, *,
+                  max_bytes: int = MAX_RESULT_BYTES):
+        """Read a file (all of it from ``offset`` unless ``length`` is given). A file
+        larger than ``max_bytes`` raises ResultTooLarge: what a sandbox writes must not
+        be able to fill the memory of the process that reads it (a sparse file of a
+        terabyte costs the sandbox nothing)."""
+        return self._run(self._read_plan(path, offset, length, max_bytes))
 
-    def _read_plan(self, path: str, offset: int, length: Optional[int]) -> Plan:
+    def _read_plan(self, path: str, offset: int, length: Optional[int],
+                   max_bytes: int = MAX_RESULT_BYTES) -> Plan:
         chunks: List[bytes] = []
-        want = length
+        want, got = length, 0
         while True:
             ask = READ_CHUNK if want is None else min(want, READ_CHUNK)
             r = yield Request("file_read", {"path": path, "offset": offset, "length": ask},
                               self.default_timeout)
             chunks.append(r["data"])
+            got += len(r["data"])
+            if got > max_bytes:
+                raise ResultTooLarge("%s holds more than max_bytes=%d bytes; read it in parts "
+                                     "(offset, length) or raise the limit" % (path, max_bytes))
             offset += len(r["data"])
             if want is not None:
                 want -= len(r["data"])
@@ -314,14 +324,26 @@ class _Operations:
         return self._call("file_move", _present({"src": src, "dst": dst, "overwrite": overwrite}),
                                  timeout=self.default_timeout)
 
-    def get_archive(self, path: str):
-        """A file or directory of the sandbox as an uncompressed tar (bytes)."""
-        return self._run(self._get_archive_plan(path))
+    def get_archive(self, path: str, *, max_bytes: int = MAX_RESULT_BYTES):
+        """A file or directory of the sandbox as an uncompressed tar (bytes); one larger
+        than ``max_bytes`` raises ResultTooLarge (the rest of the stream is read and
+        dropped, never kept)."""
+        return self._run(self._get_archive_plan(path, max_bytes))
 
-    def _get_archive_plan(self, path: str) -> Plan:
+    def _get_archive_plan(self, path: str, max_bytes: int = MAX_RESULT_BYTES) -> Plan:
         chunks: List[bytes] = []
-        yield Request("tar_get", {"path": path}, self.default_timeout,
-                      lambda _event, data: chunks.append(data))
+        size = [0]
+
+        def keep(_event, data):
+            size[0] += len(data)
+            if size[0] <= max_bytes:
+                chunks.append(data)
+            else:
+                chunks.clear()
+        yield Request("tar_get", {"path": path}, self.default_timeout, keep)
+        if size[0] > max_bytes:
+            raise ResultTooLarge("the archive of %s is %d bytes, more than max_bytes=%d"
+                                 % (path, size[0], max_bytes))
         return b"".join(chunks)
 
     def put_archive(self, path: str, tar: bytes):

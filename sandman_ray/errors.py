@@ -58,6 +58,11 @@ class SandboxLost(SandmanError):
     """The sandbox or its daemon is gone (deleted, crashed, its node removed)."""
 
 
+class ResultTooLarge(SandmanError):
+    """A file or archive read from a sandbox is larger than the caller's ``max_bytes``:
+    refused rather than held in memory."""
+
+
 class LeaseEnded(SandboxLost):
     """The lease this handle names is over (released, reclaimed for its TTL or for
     idleness, ended by a pool restart or shutdown): its sandbox may already serve

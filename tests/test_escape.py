@@ -622,3 +622,21 @@ def test_the_specs_environment_never_reaches_the_host_side_of_the_launch(provide
     with Sandbox(provider, spec) as sb:
         assert sh(sb, "echo $PATH").startswith(str(trap))  # the sandbox's own PATH
     assert not marker.exists()
+
+
+def test_a_sparse_terabyte_cannot_fill_the_readers_memory(daemon, tmp_path):
+    """A file that costs its sandbox nothing (sparse) but would cost whoever reads it a
+    terabyte: read_file and get_archive stop at max_bytes with a clear error."""
+    from sandman_ray import ResultTooLarge
+    huge = tmp_path / "out.txt"
+    with open(huge, "wb") as fh:
+        fh.truncate(1 << 40)
+    with daemon.client() as c:
+        with pytest.raises(ResultTooLarge, match="max_bytes"):
+            c.read_file(str(huge), max_bytes=64 << 20)
+        (tmp_path / "small").write_bytes(b"x" * 100)
+        assert c.read_file(str(tmp_path / "small"), max_bytes=100) == b"x" * 100
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "f").write_bytes(b"y" * (3 << 20))
+        with pytest.raises(ResultTooLarge, match="max_bytes"):
+            c.get_archive(str(tmp_path / "d"), max_bytes=1 << 20)

@@ -640,3 +640,13 @@ def test_a_sparse_terabyte_cannot_fill_the_readers_memory(daemon, tmp_path):
         (tmp_path / "d" / "f").write_bytes(b"y" * (3 << 20))
         with pytest.raises(ResultTooLarge, match="max_bytes"):
             c.get_archive(str(tmp_path / "d"), max_bytes=1 << 20)
+
+
+def test_the_network_filter_refuses_the_clusters_other_nodes_too():
+    """A public address of another Ray node (its GCS, its raylet) is as closed as this
+    host's own; the spec's network_allow comes first and may open it."""
+    from sandman_ray.providers.network import ruleset
+    rules = ruleset(allow=("198.51.100.9/32",), neighbours=("203.0.113.7",)).splitlines()
+    assert "-A OUTPUT -d 203.0.113.7/32 -j REJECT" in rules
+    assert rules.index("-A OUTPUT -d 198.51.100.9/32 -j ACCEPT") < rules.index(
+        "-A OUTPUT -d 203.0.113.7/32 -j REJECT")

@@ -195,6 +195,7 @@ class SandboxProcess:
         self.proc: Optional[subprocess.Popen] = None
         self.ready_fd: Optional[int] = None
         self.net_fd: Optional[int] = None  # the launch writes to it in its network namespace
+        self.neighbours: List[str] = []  # the Ray cluster's node addresses (network=True)
         self.network: Optional[SandboxNetwork] = None
         self.applied: Dict[str, str] = {}
         self.started_at = 0.0
@@ -333,7 +334,8 @@ class SandboxProcess:
             self.net_fd, net_w = os.pipe()
             net_w = _high(net_w)
             env["SANDMAN_NET_FD"] = str(net_w)
-            self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow)
+            self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow,
+                                          self.neighbours)
         passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w) if fd is not None]
         lower = mounts.pop("lower", None)
         try:

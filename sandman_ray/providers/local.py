@@ -118,6 +118,8 @@ class NodeAgent:
         sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
                                  cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
                                  ids=ids, view_root=self.view_root)
+        if spec.network:  # no route to any node of the cluster, this one's or another's
+            sandbox.neighbours = await loop.run_in_executor(None, _node_addresses)
         try:
             sandbox.launch()  # on the loop's thread, which lives as long as this actor
             await sandbox.wait_ready(self.ready_timeout_s)
@@ -200,6 +202,20 @@ class NodeAgent:
         if self.ranges is not None:
             self.ranges.close()
         return len(ids)
+
+
+def _node_addresses() -> List[str]:
+    """The addresses of the Ray cluster's alive nodes."""
+    import ipaddress
+    found = []
+    for node in ray.nodes():
+        address = node.get("NodeManagerAddress") or ""
+        try:
+            if node.get("Alive") and ipaddress.ip_address(address).version == 4:
+                found.append(address)
+        except ValueError:
+            continue
+    return found
 
 
 def agent_group(pool: str, node_id: str, incarnation: str) -> str:

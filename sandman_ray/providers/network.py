@@ -7,7 +7,8 @@ a user-mode stack in front: slirp4netns, attached by the node agent, gives it ``
 host as ordinary sockets. Before slirp4netns attaches, the agent loads a filter into the
 namespace's OUTPUT chain (``iptables-restore``; the legacy backend where the kernel has
 it: ~2 ms here, against ~13 ms for nft): nothing goes to the host's loopback or to any
-address of this host (Ray's GCS and dashboard listen there), to link-local and
+address of this host or of the Ray cluster's other nodes (Ray's GCS and dashboard
+listen there), to link-local and
 metadata addresses, or to private, shared and reserved ranges, unless the spec's
 ``network_allow`` names them. Refused connections fail at once (REJECT); nothing of
 theirs leaves the namespace.
@@ -50,14 +51,16 @@ def host_addresses() -> List[str]:
     return sorted(found)
 
 
-def ruleset(allow: Sequence[str] = ()) -> str:
-    """The sandbox namespace's filter table (iptables-restore input)."""
+def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = ()) -> str:
+    """The sandbox namespace's filter table (iptables-restore input); ``neighbours``:
+    the addresses of the other nodes of the Ray cluster, refused as this host's are."""
     lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
              "-A OUTPUT -o lo -j ACCEPT",
              "-A OUTPUT -d %s/32 -p udp --dport 53 -j ACCEPT" % DNS,
              "-A OUTPUT -d %s/32 -p tcp --dport 53 -j ACCEPT" % DNS]
     lines += ["-A OUTPUT -d %s -j ACCEPT" % cidr for cidr in allow]
-    refused = list(BLOCKED) + ["%s/32" % a for a in host_addresses()]
+    refused = list(BLOCKED) + ["%s/32" % a for a in sorted(set(host_addresses())
+                                                           | set(neighbours))]
     for cidr in refused:
         lines.append("-A OUTPUT -d %s -p tcp -j REJECT --reject-with tcp-reset" % cidr)
         lines.append("-A OUTPUT -d %s -j REJECT" % cidr)
@@ -75,8 +78,9 @@ def _iptables_restore() -> List[str]:
 class SandboxNetwork:
     """The filter and the slirp4netns process of one sandbox's network namespace."""
 
-    def __init__(self, sandbox_id: str, allow: Sequence[str] = ()):
-        self.sandbox_id, self.allow = sandbox_id, tuple(allow)
+    def __init__(self, sandbox_id: str, allow: Sequence[str] = (),
+                 neighbours: Sequence[str] = ()):
+        self.sandbox_id, self.allow, self.neighbours = sandbox_id, tuple(allow), tuple(neighbours)
         self.slirp: Optional[subprocess.Popen] = None
         self.exit_w: Optional[int] = None  # closing it stops slirp4netns
         self.lock = threading.Lock()  # start runs on a worker thread, stop anywhere
@@ -88,7 +92,8 @@ class SandboxNetwork:
         sandbox, the janitor and ``leftovers`` find it) and exits when the agent does."""
         netns = "/proc/%d/ns/net" % pid
         rules = subprocess.run(["nsenter", "--net=" + netns] + _iptables_restore(),
-                               input=ruleset(self.allow).encode(), capture_output=True)
+                               input=ruleset(self.allow, self.neighbours).encode(),
+                               capture_output=True)
         if rules.returncode != 0:
             raise SandboxLost("sandbox %s: its network filter did not load: %s"
                               % (self.sandbox_id, rules.stderr.decode(errors="replace")[-500:]))

@@ -59,11 +59,11 @@ class NodeAgent:
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools)
-        why_not = supported() if user_namespaces else "user_namespaces=False"
-        if isolation == "gvisor":  # gVisor's own kernel stands between sandbox and host
-            why_not, user_namespaces = "gVisor", False
-        self.ranges = Ranges(RANGE_LOCKS) if why_not is None else None
-        if why_not is not None and user_namespaces:
+        # gVisor's own kernel stands between sandbox and host: no range is needed
+        ranged = user_namespaces and isolation != "gvisor"
+        why_not = supported() if ranged else None
+        self.ranges = Ranges(RANGE_LOCKS) if ranged and why_not is None else None
+        if why_not is not None:
             logger.warning("pool %s: sandboxes on node %s run without a user namespace "
                            "(root inside is host root with fewer capabilities): %s",
                            pool, node_id[:12], why_not)
@@ -116,8 +116,8 @@ class NodeAgent:
             raise transient("sandbox %s: no uid range: %s" % (sandbox_id, exc)) from exc
         kind = GvisorProcess if self.isolation == "gvisor" else SandboxProcess
         sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
-                                 cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
-                                 ids=ids, view_root=self.view_root)
+                       cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
+                       ids=ids, view_root=self.view_root)
         if spec.network:  # no route to any node of the cluster, this one's or another's
             sandbox.neighbours = await loop.run_in_executor(None, _node_addresses)
         try:

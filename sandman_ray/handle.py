@@ -24,7 +24,6 @@ on it and raise SandboxLost instead of Ray's actor errors, and it tells the pool
 end the old incarnation's leases.
 """
 
-import collections
 import threading
 import time
 import warnings
@@ -38,6 +37,7 @@ from sandman_ray.daemon.sandmand import CodecError, pack, unpack
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
+from sandman_ray.pool.states import EndedLeases
 
 # The daemon operations a handle forwards (see sandman_ray.client for their arguments).
 FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "session_list",
@@ -60,7 +60,6 @@ HOST_THREADS = 256
 CONTROL_THREADS = 64
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
-ENDED_KEPT = 100000  # ended leases a host remembers, to say why a late call is refused
 
 
 class _Held:
@@ -90,8 +89,7 @@ class _HandleHost:
         self.binding: Set[str] = set()  # leases whose bind is under way
         self.dropped: Set[str] = set()  # of those, the ones released meanwhile
         self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
-        # lease id -> why it ended, oldest first (bounded)
-        self.ended: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self.ended = EndedLeases()  # to say why a late call is refused
         self.restarted = _reconstructed()
         if self.restarted:
             self._tell_pools_of_restart()
@@ -176,9 +174,7 @@ class _HandleHost:
         held = self.held.pop(lease_id, None)
         if held is not None:
             held.ended = True
-        self.ended[lease_id] = reason
-        while len(self.ended) > ENDED_KEPT:
-            self.ended.popitem(last=False)
+        self.ended.note(lease_id, reason)
         return held
 
     @ray.method(concurrency_group="control")

@@ -33,7 +33,7 @@ import ray
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.metrics import PoolMetrics
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
-from sandman_ray.pool.states import COMING, Lease, Sandbox, State, counts
+from sandman_ray.pool.states import COMING, EndedLeases, Lease, Sandbox, State, counts
 from sandman_ray.pool.waiters import FairQueue, Waiter
 from sandman_ray.providers.base import POOL_LABEL
 from sandman_ray.spec import PoolConfig, SandboxSpec
@@ -55,7 +55,6 @@ SURPLUS_LINGER_S = 10.0
 # sandbox no record knows, which is deleted.
 INVENTORY_INTERVAL_S = 5.0
 NODE_CHECK_S = 1.0     # how often the pool asks the GCS which Ray nodes are alive
-ENDED_KEPT = 100000    # ended leases remembered, to tell a late host why
 
 
 def pool_actor_name(pool: str) -> str:
@@ -88,8 +87,7 @@ class PoolActor:
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.kv_thread = None
         self.host_thread = None  # tells hosts of leases the pool ended
-        # lease id -> why it ended, for hosts that ask (bounded, oldest first)
-        self.ended: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self.ended = EndedLeases()  # for hosts that ask why_ended
         self.wake: Optional[asyncio.Event] = None
         self.started = False
         self.recovered: Optional[asyncio.Future] = None
@@ -545,9 +543,7 @@ class PoolActor:
         did not end it itself) is told, and stops forwarding its calls."""
         if rec.lease is not None:
             self.leases.pop(rec.lease.lease_id, None)
-            self.ended[rec.lease.lease_id] = reason
-            while len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+            self.ended.note(rec.lease.lease_id, reason)
             self._forget(rec)
             if tell_host and rec.handle is not None:
                 self._tell_host(rec.handle, rec.lease.lease_id, reason)

@@ -4,6 +4,7 @@ REQUESTED -> CREATING -> STARTING -> READY -> LEASED -> RELEASING
           -> (RESETTING -> READY | DELETING) -> GONE, and FAILED from any state.
 """
 
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ _NEXT = {
 COMING = {State.REQUESTED, State.CREATING, State.STARTING, State.RESETTING}
 # States in which a sandbox exists (or may) at the provider.
 HELD = set(State) - {State.GONE}
+
+
+class EndedLeases(collections.OrderedDict):
+    """Why each recently ended lease ended (lease id -> reason), oldest first, at most
+    ``kept`` of them: a host and a pool answer a late call on one with the reason."""
+
+    def __init__(self, kept: int = 100000):
+        super().__init__()
+        self.kept = kept
+
+    def note(self, lease_id: str, reason: str) -> None:
+        self[lease_id] = reason
+        while len(self) > self.kept:
+            self.popitem(last=False)
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,14 @@ HOST_SKIPPED = {"proc", "dev", "sys", "tmp", "run", ".sandman", "lost+found"}
 CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID",
                 "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
                 "AUDIT_WRITE")
-_LAUNCH = r"""
+# The first lines of every launch script: join the sandbox's cgroups (their
+# cgroup.procs files in SANDMAN_CGROUP_PROCS, and those that enforce nothing, joined
+# where the host allows, in SANDMAN_CGROUP_TRACK).
+JOIN_CGROUPS = r"""
 for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
 for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
-[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
+"""
+_LAUNCH = JOIN_CGROUPS + r"""[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
 exec 6<"$3"
 mount -c -a -T "$1" || exit 98
 exec </dev/null 6<&-
@@ -101,12 +105,13 @@ def _close(fds) -> None:
             pass
 
 
-def _token_pipe(token: str) -> int:
-    """The read end of a pipe holding ``token``: the daemon reads it at start, so the
-    token is in no file, no command line and no environment."""
+def pipe_holding(data: bytes) -> int:
+    """The read end of a pipe holding ``data`` (at most a pipe's buffer: a token, the
+    seccomp program), its write end closed: how a secret reaches the daemon in no file,
+    no command line and no environment."""
     read, write = os.pipe()
     try:
-        os.write(write, token.encode())
+        os.write(write, data)
     finally:
         os.close(write)
     return read
@@ -157,14 +162,7 @@ def _filter_pipe() -> Optional[int]:
     """The read end of a pipe holding the seccomp program (bwrap reads it to the end),
     or None on a CPU the filter is not written for."""
     code = seccomp.program()
-    if code is None:
-        return None
-    read, write = os.pipe()
-    try:
-        os.write(write, code)  # a few hundred bytes: within the pipe's buffer
-    finally:
-        os.close(write)
-    return read
+    return None if code is None else pipe_holding(code)  # a few hundred bytes
 
 
 class SandboxProcess:
@@ -322,13 +320,10 @@ class SandboxProcess:
         listen_fd = _high(self._listen())
         filter_r = _filter_pipe()
         filter_r = _high(filter_r) if filter_r is not None else None
-        token_fd = _high(_token_pipe(self.token))
+        token_fd = _high(pipe_holding(self.token.encode()))
         # The chain runs as host root until nsenter: nothing of the image's or the spec's
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
-        env = {"PATH": DEFAULT_PATH}
-        groups = self.cgroups or Cgroups("")
-        env["SANDMAN_CGROUP_PROCS"] = " ".join(groups.procs_files(tracking=False))
-        env["SANDMAN_CGROUP_TRACK"] = " ".join(groups.procs_files(tracking=True))
+        env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
         net_w = None
         if self.spec.network:  # the launch says when its network namespace exists
             self.net_fd, net_w = os.pipe()
@@ -374,6 +369,12 @@ class SandboxProcess:
         except BaseException:
             sock.close()
             raise
+
+    def _cgroup_env(self) -> Dict[str, str]:
+        """What JOIN_CGROUPS in a launch script reads: the groups it joins."""
+        groups = self.cgroups or Cgroups("")
+        return {"SANDMAN_CGROUP_PROCS": " ".join(groups.procs_files(tracking=False)),
+                "SANDMAN_CGROUP_TRACK": " ".join(groups.procs_files(tracking=True))}
 
     def _mounts(self) -> Dict[str, int]:
         """The sandbox's mounts, made detached for the launch to attach: ``layer`` (a

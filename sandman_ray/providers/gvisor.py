@@ -30,14 +30,10 @@ from typing import List
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
-from sandman_ray.providers.bwrap import CAPABILITIES, SOCKET_DIR, SandboxProcess, _close
-from sandman_ray.providers.cgroups import Cgroups
+from sandman_ray.providers.bwrap import (
+    CAPABILITIES, DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, pipe_holding)
 
-_LAUNCH = r"""
-for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
-for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
-exec "$@"
-"""
+_LAUNCH = JOIN_CGROUPS + 'exec "$@"\n'
 PLATFORM = "ptrace"
 KILL_WAIT_S = 5.0  # for runsc run to end once its container is killed
 
@@ -108,16 +104,9 @@ class GvisorProcess(SandboxProcess):
         (self.state_dir / "oci").mkdir(parents=True, exist_ok=True)
         (self.state_dir / "oci" / "config.json").write_text(json.dumps(self._config()))
         self.token = secrets.token_hex(16)  # a new credential for every start
-        token_r, token_w = os.pipe()
+        token_r = pipe_holding(self.token.encode())
         ready_r, ready_w = os.pipe()
-        try:
-            os.write(token_w, self.token.encode())
-        finally:
-            os.close(token_w)
-        groups = self.cgroups or Cgroups("")
-        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-               "SANDMAN_CGROUP_PROCS": " ".join(groups.procs_files(tracking=False)),
-               "SANDMAN_CGROUP_TRACK": " ".join(groups.procs_files(tracking=True))}
+        env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
         try:
             self.proc = subprocess.Popen(self.argv(), env=env, stdin=token_r, stdout=ready_w,
                                          stderr=subprocess.PIPE, start_new_session=True)

@@ -13,7 +13,8 @@ STAMP = $(VENV)/.installed-$(1)
 # Debian test image, podman, runc and iptables (netavark's port publishing) for the
 # DockerProvider's engine (Podman's Docker API service; the tests start their own),
 # docker-registry for the tests' pulls, chromium for the test that looks at the Ray
-# dashboard.
+# dashboard. Podman's user "containers" gets subordinate ids for the DockerProvider's
+# per-container user namespaces (tools/ensure-subids).
 DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
 	slirp4netns runsc podman runc iptables docker-registry chromium
 
@@ -21,6 +22,7 @@ DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo
 
 system-packages:
 	@tools/ensure-debian-packages $(DEBIAN_PACKAGES)
+	@tools/ensure-subids
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -9,7 +9,8 @@ beside this file: 4-byte big-endian length + one msgpack map per frame.
 Usage::
 
     sandmand.py --listen unix:/run/sandman/sock | tcp:HOST:PORT | fd:N
-                [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable)
+                [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable;
+                                                      the file is removed once read)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
                 [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
@@ -2681,9 +2682,10 @@ def parse_args(argv):
 
 def main(argv=None):
     opts = parse_args(sys.argv[1:] if argv is None else argv)
-    if opts["token_file"]:
+    if opts["token_file"]:  # read once, then removed: nothing started later finds it
         with open(opts["token_file"], "r") as fh:
-            token = fh.read().strip()
+            token = fh.read(4096).strip()
+        os.unlink(opts["token_file"])
     elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
         with os.fdopen(int(opts["token_fd"]), "rb") as fh:
             token = fh.read(4096).decode("ascii", "replace").strip()

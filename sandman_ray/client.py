@@ -9,9 +9,12 @@ codec.
 """
 
 import asyncio
+import errno
 import io
 import itertools
+import os
 import socket
+import stat
 import tarfile
 import threading
 import time
@@ -391,6 +394,26 @@ def _parse_address(address: str):
     raise ValueError("daemon address must be unix:PATH or tcp:HOST:PORT, got %r" % address)
 
 
+class _SocketPath:
+    """A unix socket's path, held open without following a symlink in its last part,
+    and reached through ``/proc/self/fd``: a sandbox that can write the directory of its
+    daemon's socket (a bind-mounted host directory) cannot point the host's connect at
+    some other socket of the host by swapping the socket for a symlink."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if not stat.S_ISSOCK(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise OSError(errno.ENOTSOCK, "not a socket (a symlink or a file): %s" % path)
+        self.path = "/proc/self/fd/%d" % self.fd
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
 def _reply_value(reply: Dict[str, Any], op: str):
     if reply.get("ok"):
         return reply.get("result")
@@ -438,7 +461,11 @@ class DaemonClient(_Operations):
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(connect_timeout)
-            self._sock.connect(where)
+            if family == socket.AF_UNIX:
+                with _SocketPath(where) as path:
+                    self._sock.connect(path)
+            else:
+                self._sock.connect(where)
             if family == socket.AF_INET:
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._request("hello", _hello_fields(token), connect_timeout, None, hello=True)
@@ -584,10 +611,12 @@ class AsyncDaemonClient(_Operations):
         family, where = _parse_address(address)
         try:
             if family == socket.AF_UNIX:
-                connecting = loop.create_unix_connection(lambda: _ClientProtocol(client), where)
+                with _SocketPath(where) as path:
+                    client._transport, _ = await asyncio.wait_for(loop.create_unix_connection(
+                        lambda: _ClientProtocol(client), path), connect_timeout)
             else:
-                connecting = loop.create_connection(lambda: _ClientProtocol(client), *where)
-            client._transport, _ = await asyncio.wait_for(connecting, connect_timeout)
+                client._transport, _ = await asyncio.wait_for(loop.create_connection(
+                    lambda: _ClientProtocol(client), *where), connect_timeout)
             await client._request("hello", _hello_fields(token), connect_timeout, None,
                                   hello=True)
         except (OSError, asyncio.TimeoutError) as exc:

@@ -11,12 +11,28 @@ talks to that node's engine; the pool-side half is shared with the LocalProvider
 - the daemon listens on a unix socket in a per-sandbox host directory bind-mounted at
   ``/run/sandman`` (``transport="unix"``, for handles on the same node), or on TCP
   published on the node's address (``transport="tcp"``, needs ``network=True``); the
-  per-sandbox token is a file in that directory, never a label or an env var;
+  per-sandbox token is a file in that directory that the daemon removes once read,
+  never a label or an env var. The sandbox can write that directory, so the host
+  connects to the socket without following a symlink (``client._SocketPath``);
+- root inside is not host root (``user_namespace="auto"``): Podman gives each
+  container a range of 65536 host ids of its own (``--userns=auto``, from the
+  ``containers`` entry of /etc/subuid and /etc/subgid, read through idmapped mounts
+  with no copy of the image); Docker does so only with ``userns-remap`` in its daemon
+  configuration, and a create says so rather than run as host root;
+- ``network=True`` is Podman's slirp4netns (no host loopback, no IPv6) or Docker's
+  bridge, with the LocalProvider's filter loaded into the container's network
+  namespace before the daemon is reachable (``providers/network.py``): no host or
+  cluster address, no private, link-local or metadata range unless
+  ``SandboxSpec.network_allow`` names it. Containers get no CAP_NET_ADMIN to undo it;
+- ``runtime`` picks the OCI runtime (``runsc``: gVisor); Podman's Docker API takes
+  the runtime from its containers.conf rather than from the request, so with Podman
+  the engine's default runtime must be the one asked for (``PodmanService(runtime=)``);
 - labels carry the pool, the sandbox id, the node and the agent's incarnation, so the
   pool lists and reconciles by label, and whatever an agent leaves when it dies is
   removed by its janitor (``providers/janitor.py``);
 - no network unless the spec asks (``network_mode=none``); cpu, memory and pids limits
-  from the spec;
+  from the spec; a disk limit (``storage_opt size``) where the engine's storage has
+  quotas (``disk_quota=True``: overlay on xfs with pquota, btrfs, zfs), else none;
 - an image is pulled at most once per node at a time: thirty creates of a cold image
   wait for one pull. Pull failures say which of unknown image, refused credentials or
   unreachable registry it was;
@@ -42,7 +58,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import ray
 
@@ -63,6 +79,13 @@ TCP_PORT = 7000                 # where the daemon listens inside the container 
 PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
 MAX_SOCKET_PATH = 107           # sun_path, less its terminating NUL
 API_VERSION = "1.41"            # Docker 20.10+ and Podman 4 speak it
+IDS_PER_CONTAINER = 65536       # host ids of a container's user namespace (Podman)
+# Podman's slirp4netns: the host's loopback (10.0.2.2) and IPv6 off; the filter does the rest
+PODMAN_NETWORK = "slirp4netns:allow_host_loopback=false,enable_ipv6=false"
+NO_SUBIDS = ("Podman has no subordinate ids for the user 'containers', which "
+             "DockerProvider(user_namespace='auto') needs: add a line such as "
+             "'containers:2147483648:1073741824' to /etc/subuid and /etc/subgid (the "
+             "Makefile's set-up does), or pass user_namespace='host' for trusted code only")
 
 
 def default_engine_url() -> str:
@@ -78,6 +101,22 @@ def engine_client(base_url: str, pool_size: int = 10):
                     ) from exc
     return docker.DockerClient(base_url=base_url, version=API_VERSION, timeout=300,
                                max_pool_size=pool_size)
+
+
+class EngineFacts(NamedTuple):
+    """What a create needs to know of the engine, asked once per agent."""
+    podman: bool
+    default_runtime: str
+    userns_remap: bool  # Docker's daemon maps every container's root to a range
+
+
+def engine_facts(engine) -> EngineFacts:
+    version, info = engine.version(), engine.info()
+    names = [c.get("Name", "") for c in version.get("Components") or []]
+    return EngineFacts(podman=any("Podman" in name for name in names),
+                       default_runtime=info.get("DefaultRuntime") or "runc",
+                       userns_remap=any("name=userns" in option
+                                        for option in info.get("SecurityOptions") or []))
 
 
 def container_name(pool: str, sandbox_id: str) -> str:
@@ -150,6 +189,30 @@ def list_containers(engine, labels: List[str]) -> List[dict]:
     return engine.api.containers(all=True, filters={"label": labels})
 
 
+def remove_container(engine, name: str) -> bool:
+    """Remove a container (running or not) with its anonymous volumes; False if there
+    was none. Podman, for a container with a user namespace, can answer 500 "device or
+    resource busy" (its shm directory) for a removal that did happen: asked again, it
+    says whether the container is gone."""
+    import docker.errors
+    try:
+        engine.api.remove_container(name, force=True, v=True)
+        return True
+    except docker.errors.APIError as exc:
+        if _no_such_container(exc):
+            return False
+        if "resource busy" not in str(exc):
+            raise
+    try:
+        engine.api.inspect_container(name)
+    except docker.errors.APIError as exc:
+        if _no_such_container(exc):
+            return True
+        raise
+    engine.api.remove_container(name, force=True, v=True)  # still there: once more
+    return True
+
+
 def remove_containers(engine, labels: List[str], keep=lambda labels: False) -> int:
     """Remove the engine's containers carrying every ``key=value`` of ``labels``, with
     their anonymous volumes, except those whose labels ``keep`` accepts; how many were
@@ -159,8 +222,7 @@ def remove_containers(engine, labels: List[str], keep=lambda labels: False) -> i
         if keep(container.get("Labels") or {}):
             continue
         try:
-            engine.api.remove_container(container["Id"], force=True, v=True)
-            removed += 1
+            removed += remove_container(engine, container["Id"])
         except Exception as exc:
             logger.warning("cannot remove container %s: %s", container["Id"][:12], exc)
     return removed
@@ -209,10 +271,13 @@ class DockerAgent:
 
     def __init__(self, pool: str, node_id: str, base_url: str, state_root: str,
                  cache_root: str, ready_timeout_s: float, transport: str,
-                 max_engine_calls: int):
+                 max_engine_calls: int, user_namespace: str = "auto",
+                 runtime: Optional[str] = None, disk_quota: bool = False):
         from sandman_ray.bundle import ensure_bundle
         self.pool, self.node_id, self.base_url = pool, node_id, base_url
         self.ready_timeout_s, self.transport = ready_timeout_s, transport
+        self.user_namespace, self.runtime, self.disk_quota = user_namespace, runtime, disk_quota
+        self.facts: Optional[EngineFacts] = None  # asked at the first create
         self.incarnation = secrets.token_hex(8)
         # <root>/<pool and node>/<incarnation>/<sandbox id>/sock, short enough for a
         # unix socket path; a directory per incarnation, so the janitor of a dead agent
@@ -344,7 +409,7 @@ class DockerAgent:
         return location
 
     def _container_config(self, sandbox_id: str, spec: SandboxSpec, image: str,
-                          labels: Dict[str, str], run_dir: Path, token: str) -> dict:
+                          labels: Dict[str, str], run_dir: Path) -> dict:
         from docker.types import Mount
         if self.transport == "tcp":
             listen = "tcp:0.0.0.0:%d" % TCP_PORT
@@ -355,14 +420,13 @@ class DockerAgent:
             entrypoint=["/.sandman/bin/sandmand"],
             # the socket is 0666: the host directory (0700 above it) and the token guard
             # it, and the client need not be the user the image runs as
-            command=["--listen", listen, "--socket-mode", "0666"],
+            command=["--listen", listen, "--socket-mode", "0666",
+                     "--token-file", "%s/token" % SOCKET_DIR],
             labels=dict(labels, **{NODE_LABEL: self.node_id, AGENT_LABEL: self.incarnation}),
             hostname=re.sub(r"[^a-z0-9-]", "-", sandbox_id.lower())[:63],
             mounts=[Mount("/.sandman", str(self.bundle), type="bind", read_only=True),
                     Mount(SOCKET_DIR, str(run_dir), type="bind")],
-            # the daemon reads the token and removes it from its environment before it
-            # starts anything; nothing is read back from the directory the sandbox can write
-            environment=dict(spec.env, SANDMAN_TOKEN=token), detach=True)
+            environment=dict(spec.env), detach=True)
         if spec.workdir:
             config["working_dir"] = spec.workdir
         if spec.user:
@@ -370,8 +434,14 @@ class DockerAgent:
         if spec.network:
             if self.transport == "tcp":
                 config["ports"] = {"%d/tcp" % TCP_PORT: None}  # a free port, every address
+            if self.facts.podman:
+                config["network_mode"] = PODMAN_NETWORK
         else:
             config["network_mode"] = "none"
+        if self.runtime and not self.facts.podman:
+            config["runtime"] = self.runtime
+        if spec.disk and self.disk_quota:
+            config["storage_opt"] = {"size": str(spec.disk)}
         if spec.cpu:
             config["nano_cpus"] = int(spec.cpu * 1e9)
         if spec.memory:
@@ -379,6 +449,27 @@ class DockerAgent:
         if spec.pids:
             config["pids_limit"] = spec.pids
         return config
+
+    async def _check_engine(self, spec: SandboxSpec) -> None:
+        """Refuse, naming the fix, what this engine cannot run as the provider promises."""
+        if self.facts is None:
+            self.facts = await self._engine("ask the engine's version", engine_facts, self.engine)
+        facts = self.facts
+        if self.user_namespace == "auto" and not facts.podman and not facts.userns_remap:
+            raise fatal("the Docker daemon at %s runs containers as host root: configure "
+                        "userns-remap in its daemon.json, or pass "
+                        "DockerProvider(user_namespace='host') for trusted code only"
+                        % self.base_url)
+        if self.runtime and facts.podman and facts.default_runtime != self.runtime:
+            raise fatal("runtime %r: Podman's Docker API runs every container with the "
+                        "engine's default runtime (%r here); set [engine] runtime = %r in its "
+                        "containers.conf (PodmanService(runtime=%r) does)"
+                        % (self.runtime, facts.default_runtime, self.runtime, self.runtime))
+        if self.runtime == "runsc" and facts.podman and spec.network:
+            raise fatal("image %r: under gVisor through Podman a container has no network "
+                        "(runsc needs a network namespace that Podman's compat API does not "
+                        "hand it); use network=False, or LocalProvider(isolation='gvisor')"
+                        % spec.image)
 
     def _still_wanted(self, sandbox_id: str) -> None:
         if self.closing:
@@ -391,21 +482,28 @@ class DockerAgent:
         self._still_wanted(sandbox_id)
         image = self._image_of(spec)
         started = time.monotonic()
+        await self._check_engine(spec)
         await self._ensure_image(image)
         self._still_wanted(sandbox_id)  # a pull can take minutes
         pulled = time.monotonic()
         run_dir = self.state / sandbox_id
         token = secrets.token_hex(16)
-        config = self._container_config(sandbox_id, spec, image, labels, run_dir, token)
+        config = self._container_config(sandbox_id, spec, image, labels, run_dir)
         self.specs[sandbox_id] = (spec, labels)
         try:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            os.chmod(run_dir, 0o1777)  # the image's user, whoever it is, makes the socket here
+            # the image's user, whoever it is (a range id under a user namespace), makes
+            # the socket here and removes the token once read; 0700 above it
+            os.chmod(run_dir, 0o777)
+            _write_token(run_dir / "token", token)
             container = await self._create_container(sandbox_id, config)
             created = time.monotonic()
             self._still_wanted(sandbox_id)
             await self._engine("start %s" % sandbox_id, container.start)
+            pid = await self._started_pid(sandbox_id, container)
+            if spec.network:
+                await self._filter_network(sandbox_id, pid, spec)
             address = await self._wait_listening(sandbox_id, container, run_dir, token)
             self._still_wanted(sandbox_id)
         except BaseException:
@@ -420,18 +518,49 @@ class DockerAgent:
         info = self.infos[sandbox_id] = self._info(
             sandbox_id, address, token, config["labels"], details={
                 "container": container.id[:12], "engine": self.base_url, "image": image,
-                "spec": spec, "alive": True,
+                "spec": spec, "alive": True, "runtime": self.runtime or self.facts.default_runtime,
+                "user_namespace": self.user_namespace, "host_root_id": _host_root_id(pid),
+                "disk_limit": spec.disk if self.disk_quota else None,
                 "timings": {"image_s": pulled - started, "create_s": created - pulled,
                             "start_ready_s": time.monotonic() - created}})
         return info
 
+    async def _started_pid(self, sandbox_id: str, container) -> int:
+        """The host pid of the started container's first process (its daemon)."""
+        await self._engine("inspect %s" % sandbox_id, container.reload)
+        pid = (container.attrs.get("State") or {}).get("Pid") or 0
+        if not pid:
+            raise transient("sandbox %s: its container stopped as it started" % sandbox_id)
+        return pid
+
+    async def _filter_network(self, sandbox_id: str, pid: int, spec: SandboxSpec) -> None:
+        """Load the network filter into the started container's namespace, before the
+        daemon is reachable (nothing inside runs before a client connects)."""
+        from sandman_ray.providers.network import load_filter, ray_node_addresses, ruleset
+        loop = asyncio.get_running_loop()
+        neighbours = await loop.run_in_executor(None, ray_node_addresses)
+        rules = ruleset(spec.network_allow, neighbours,
+                        serves=TCP_PORT if self.transport == "tcp" else None)
+        await loop.run_in_executor(None, load_filter, sandbox_id, "/proc/%d/ns/net" % pid, rules)
+
+    def _create_call(self, config: dict):
+        """The engine's create, with what the SDK does not pass: Podman's per-container
+        user namespace."""
+        from docker.models.containers import _create_container_args
+        args = _create_container_args(dict(config, version=self.engine.api._version))
+        if self.user_namespace == "auto" and self.facts.podman:
+            args["host_config"]["UsernsMode"] = "auto:size=%d" % IDS_PER_CONTAINER
+        created = self.engine.api.create_container(**args)
+        return self.engine.containers.get(created["Id"])
+
     async def _create_container(self, sandbox_id: str, config: dict):
         import docker.errors
         try:
-            return await self._engine("create %s" % sandbox_id, self.engine.containers.create,
-                                      **config)
+            return await self._engine("create %s" % sandbox_id, self._create_call, config)
         except ProviderError as exc:
             cause = exc.__cause__
+            if "enough available IDs" in str(cause):
+                raise fatal("sandbox %s: %s" % (sandbox_id, NO_SUBIDS)) from cause
             if not (isinstance(cause, docker.errors.APIError) and cause.status_code == 409):
                 raise
         # A container of that name exists: a create the engine finished after we gave up
@@ -444,8 +573,7 @@ class DockerAgent:
             raise fatal("sandbox %s: the container name %s is taken by a container that is not "
                         "this pool's" % (sandbox_id, config["name"]))
         await self._remove_container(sandbox_id)
-        return await self._engine("create %s" % sandbox_id, self.engine.containers.create,
-                                  **config)
+        return await self._engine("create %s" % sandbox_id, self._create_call, config)
 
     def _info(self, sandbox_id, address, token, labels, created_at=None, details=None):
         return SandboxInfo(sandbox_id=sandbox_id, address=address, token=token,
@@ -512,14 +640,8 @@ class DockerAgent:
 
     async def _remove_container(self, sandbox_id: str) -> bool:
         """Remove the container and its anonymous volumes; False if there was none."""
-        try:
-            await self._engine("remove %s" % sandbox_id, self.engine.api.remove_container,
-                               container_name(self.pool, sandbox_id), force=True, v=True)
-        except ProviderError as exc:
-            if _no_such_container(exc.__cause__):
-                return False
-            raise
-        return True
+        return await self._engine("remove %s" % sandbox_id, remove_container, self.engine,
+                                  container_name(self.pool, sandbox_id))
 
     async def delete(self, sandbox_id: str) -> None:
         """Remove the sandbox; a create of it still in flight is told to stop, and is
@@ -582,6 +704,28 @@ class DockerAgent:
         return len(infos)
 
 
+def _host_root_id(pid: int) -> Optional[int]:
+    """The host uid that root inside process ``pid``'s user namespace is; None if gone."""
+    try:
+        with open("/proc/%d/uid_map" % pid) as fh:
+            for line in fh:
+                inside, outside, _ = line.split()
+                if inside == "0":
+                    return int(outside)
+    except OSError:
+        pass
+    return None
+
+
+def _write_token(path: Path, token: str) -> None:
+    """The token where only the container's daemon reads it (0700 above), made afresh."""
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+
+
 class DockerProvider(NodeAgentProvider):
     """Sandboxes as containers of the engine on each Ray node (Docker or Podman).
 
@@ -595,6 +739,13 @@ class DockerProvider(NodeAgentProvider):
     cache_root: where each node keeps the daemon bundle.
     ready_timeout_s: how long a new container's daemon may take to listen.
     max_engine_calls: most engine API calls in flight at once per node.
+    user_namespace: ``auto`` (root inside is a range of host ids: Podman's
+        ``--userns=auto``, Docker's ``userns-remap``) or ``host`` (root inside is host
+        root: for trusted code only).
+    runtime: the OCI runtime (``runsc`` for gVisor), else the engine's default.
+    disk_quota: the engine's storage enforces ``storage_opt size`` (overlay on xfs with
+        pquota, btrfs, zfs): each sandbox's disk is limited to ``SandboxSpec.disk``.
+        Without it a container's disk is not limited.
     """
 
     supports_reset = True
@@ -602,8 +753,17 @@ class DockerProvider(NodeAgentProvider):
 
     def __init__(self, base_url: Optional[str] = None, transport: str = "unix",
                  state_root: str = DEFAULT_STATE_ROOT, cache_root: str = DEFAULT_CACHE_ROOT,
-                 ready_timeout_s: float = 60.0, max_engine_calls: int = 16):
+                 ready_timeout_s: float = 60.0, max_engine_calls: int = 16,
+                 user_namespace: str = "auto", runtime: Optional[str] = None,
+                 disk_quota: bool = False):
         super().__init__()
+        if user_namespace not in ("auto", "host"):
+            raise ValueError("DockerProvider.user_namespace must be 'auto' or 'host', got %r"
+                             % (user_namespace,))
+        if runtime is not None and (not isinstance(runtime, str) or
+                                    not re.fullmatch(r"[A-Za-z0-9_.-]+", runtime)):
+            raise ValueError("DockerProvider.runtime must be an OCI runtime's name such as "
+                             "'runsc', got %r" % (runtime,))
         if transport not in ("unix", "tcp"):
             raise ValueError("DockerProvider.transport must be 'unix' or 'tcp', got %r"
                              % (transport,))
@@ -614,10 +774,12 @@ class DockerProvider(NodeAgentProvider):
         self.base_url = base_url or default_engine_url()
         self.transport, self.state_root, self.cache_root = transport, state_root, cache_root
         self.ready_timeout_s, self.max_engine_calls = ready_timeout_s, max_engine_calls
+        self.user_namespace, self.runtime, self.disk_quota = user_namespace, runtime, disk_quota
 
     def agent_class(self):
         return DockerAgent
 
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.base_url, self.state_root, self.cache_root,
-                self.ready_timeout_s, self.transport, self.max_engine_calls)
+                self.ready_timeout_s, self.transport, self.max_engine_calls,
+                self.user_namespace, self.runtime, self.disk_quota)

@@ -21,6 +21,7 @@ import ray
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.providers.base import Provider, SandboxInfo, fatal, transient
 from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, SingleFlight, agent_name
+from sandman_ray.providers.network import ray_node_addresses
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class NodeAgent:
                        cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
                        ids=ids, view_root=self.view_root)
         if spec.network:  # no route to any node of the cluster, this one's or another's
-            sandbox.neighbours = await loop.run_in_executor(None, _node_addresses)
+            sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses)
         try:
             sandbox.launch()  # on the loop's thread, which lives as long as this actor
             await sandbox.wait_ready(self.ready_timeout_s)
@@ -202,20 +203,6 @@ class NodeAgent:
         if self.ranges is not None:
             self.ranges.close()
         return len(ids)
-
-
-def _node_addresses() -> List[str]:
-    """The addresses of the Ray cluster's alive nodes."""
-    import ipaddress
-    found = []
-    for node in ray.nodes():
-        address = node.get("NodeManagerAddress") or ""
-        try:
-            if node.get("Alive") and ipaddress.ip_address(address).version == 4:
-                found.append(address)
-        except ValueError:
-            continue
-    return found
 
 
 def agent_group(pool: str, node_id: str, incarnation: str) -> str:

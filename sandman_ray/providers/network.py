@@ -51,13 +51,35 @@ def host_addresses() -> List[str]:
     return sorted(found)
 
 
-def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = ()) -> str:
+def ray_node_addresses() -> List[str]:
+    """The IPv4 addresses of the Ray cluster's alive nodes."""
+    import ipaddress
+    import ray
+    found = []
+    for node in ray.nodes():
+        address = node.get("NodeManagerAddress") or ""
+        try:
+            if node.get("Alive") and ipaddress.ip_address(address).version == 4:
+                found.append(address)
+        except ValueError:
+            continue
+    return found
+
+
+def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = (),
+            serves: Optional[int] = None) -> str:
     """The sandbox namespace's filter table (iptables-restore input); ``neighbours``:
-    the addresses of the other nodes of the Ray cluster, refused as this host's are."""
+    the addresses of the other nodes of the Ray cluster, refused as this host's are;
+    ``serves``: a TCP port the sandbox's daemon listens on, whose replies to the
+    connections it accepted may go back (a connection the sandbox opens from that port
+    is new, not established, and meets the rest of the filter)."""
     lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
              "-A OUTPUT -o lo -j ACCEPT",
              "-A OUTPUT -d %s/32 -p udp --dport 53 -j ACCEPT" % DNS,
              "-A OUTPUT -d %s/32 -p tcp --dport 53 -j ACCEPT" % DNS]
+    if serves is not None:
+        lines.append("-A OUTPUT -p tcp --sport %d -m conntrack --ctstate ESTABLISHED "
+                     "-j ACCEPT" % serves)
     lines += ["-A OUTPUT -d %s -j ACCEPT" % cidr for cidr in allow]
     refused = list(BLOCKED) + ["%s/32" % a for a in sorted(set(host_addresses())
                                                            | set(neighbours))]
@@ -75,6 +97,15 @@ def _iptables_restore() -> List[str]:
     raise FileNotFoundError("iptables-restore is missing (Debian package iptables)")
 
 
+def load_filter(sandbox_id: str, netns: str, rules: str) -> None:
+    """Load ``rules`` into the network namespace at path ``netns``."""
+    done = subprocess.run(["nsenter", "--net=" + netns] + _iptables_restore(),
+                          input=rules.encode(), capture_output=True)
+    if done.returncode != 0:
+        raise SandboxLost("sandbox %s: its network filter did not load: %s"
+                          % (sandbox_id, done.stderr.decode(errors="replace")[-500:]))
+
+
 class SandboxNetwork:
     """The filter and the slirp4netns process of one sandbox's network namespace."""
 
@@ -90,13 +121,8 @@ class SandboxNetwork:
         """Filter, then connect, the network namespace of process ``pid``; answer once
         ``tap0`` is up. slirp4netns joins the sandbox's cgroups (so removing the
         sandbox, the janitor and ``leftovers`` find it) and exits when the agent does."""
-        netns = "/proc/%d/ns/net" % pid
-        rules = subprocess.run(["nsenter", "--net=" + netns] + _iptables_restore(),
-                               input=ruleset(self.allow, self.neighbours).encode(),
-                               capture_output=True)
-        if rules.returncode != 0:
-            raise SandboxLost("sandbox %s: its network filter did not load: %s"
-                              % (self.sandbox_id, rules.stderr.decode(errors="replace")[-500:]))
+        load_filter(self.sandbox_id, "/proc/%d/ns/net" % pid,
+                    ruleset(self.allow, self.neighbours))
         with self.lock:
             if self.stopped:  # the sandbox was stopped meanwhile
                 raise SandboxLost("sandbox %s stopped before its network was up"

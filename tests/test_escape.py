@@ -1,9 +1,11 @@
-"""The escape suite: attacks a hostile agent would try from inside a LocalProvider
-sandbox, through the daemon a lease talks to, each asserted to fail with the host
-unchanged. SECURITY.md lists every attack with what stops it.
+"""The escape suite: attacks a hostile agent would try from inside a sandbox, through
+the daemon a lease talks to, each asserted to fail with the host unchanged. SECURITY.md
+lists every attack with what stops it.
 
-Sandboxes are real: bwrap on a local Ray, the ``host`` image (a read-only view of this
-machine) and a busybox rootfs, each in a user namespace of its own."""
+Sandboxes are real: LocalProvider sandboxes (bwrap on a local Ray) of the default
+image, the ``host`` image (a read-only view of this machine) and a busybox rootfs, each
+in a user namespace of its own; the same under gVisor; and DockerProvider containers
+of the busybox image on a Podman API service (runc) that this module starts."""
 
 import os
 import shutil
@@ -18,11 +20,43 @@ from conftest import Sandbox, wait_until
 from sandman_ray import ProtocolError
 
 IMAGES = ("default", "host", "busybox")
+BOXES = IMAGES + ("docker",)  # and a DockerProvider container of the busybox image
+DOCKER_IMAGE = "localhost/sandman-escape/busybox:1"
+DOCKER_WORK = "/tmp/sandman-ray-test/escape-docker"
 
 
 @pytest.fixture(scope="module")
 def provider(local_provider):
     return local_provider
+
+
+@pytest.fixture(scope="module")
+def engine(provider, busybox_rootfs):
+    """A Podman API service of this module's own (runc), the busybox image imported."""
+    from sandman_ray.providers.podman_service import PodmanService
+    if shutil.which("podman") is None:
+        pytest.fail("podman is missing: make test installs it (apt-get install podman)")
+    service = PodmanService(os.path.join(DOCKER_WORK, "podman")).start()
+    try:
+        service.import_rootfs(busybox_rootfs, DOCKER_IMAGE)
+        yield service
+    finally:
+        service.stop()
+
+
+def new_docker_provider(engine):
+    from conftest import LOCAL_CACHE
+    from sandman_ray.providers.docker import DockerProvider
+    return DockerProvider(base_url=engine.base_url, state_root=os.path.join(DOCKER_WORK, "state"),
+                          cache_root=LOCAL_CACHE)
+
+
+@pytest.fixture(scope="module")
+def docker_provider(engine):
+    from conftest import run
+    provider = new_docker_provider(engine).bind("escape-%s" % uuid.uuid4().hex[:6])
+    yield provider
+    run(provider.shutdown())
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +69,39 @@ def boxes(provider, busybox_rootfs):
         yield {"default": default, "host": host, "busybox": busybox}
 
 
+@pytest.fixture(scope="module")
+def docker_box(docker_provider):
+    with Sandbox(docker_provider, DOCKER_IMAGE) as sb:
+        yield sb
+
+
+@pytest.fixture
+def box(request):
+    """The shared sandbox named by the test's parameter, with ``kind`` set to it."""
+    if request.param == "docker":
+        sb = request.getfixturevalue("docker_box")
+    else:
+        sb = request.getfixturevalue("boxes")[request.param]
+    sb.kind = request.param
+    return sb
+
+
+def busybox_like(sb) -> bool:
+    return sb.kind in ("busybox", "docker")
+
+
 def sh(sb, cmd: str) -> str:
     r = sb.client.exec(["/bin/sh", "-c", cmd])
     return (r.stdout + r.stderr).decode()
 
 
 def daemon_pid(sb) -> int:
-    """The host pid of the sandbox's daemon (PID 1 inside): the descendant of its
-    launch chain whose command line names sandmand."""
+    """The host pid of the sandbox's daemon (PID 1 inside): its container's first
+    process, or the descendant of its launch chain whose command line names sandmand."""
+    if "container" in sb.info.details:
+        from sandman_ray.providers.docker import engine_client
+        engine = engine_client(sb.info.details["engine"])
+        return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
     todo = [sb.info.details["pid"]]
     while todo:
         pid = todo.pop()
@@ -58,9 +117,9 @@ def daemon_pid(sb) -> int:
     raise AssertionError("no daemon under %s" % sb.info.details["pid"])
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_root_inside_is_an_unprivileged_range_of_host_ids(boxes, image):
-    sb = boxes[image]
+@pytest.mark.parametrize("box", BOXES, indirect=True)
+def test_root_inside_is_an_unprivileged_range_of_host_ids(box):
+    sb = box
     base = sb.info.details["host_root_id"]
     assert base is not None and base >= 1 << 30
     with open("/proc/%d/status" % daemon_pid(sb)) as fh:
@@ -69,22 +128,22 @@ def test_root_inside_is_an_unprivileged_range_of_host_ids(boxes, image):
     assert sh(sb, "id -u; id -g") == "0\n0\n"  # and yet root as the sandbox sees it
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_proc_sys_cannot_be_written(boxes, image):
+@pytest.mark.parametrize("box", BOXES, indirect=True)
+def test_proc_sys_cannot_be_written(box):
     before = open("/proc/sys/kernel/core_pattern").read()
-    out = sh(boxes[image], "echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern; echo rc=$?; "
+    out = sh(box, "echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern; echo rc=$?; "
                            "echo 1 > /proc/sys/vm/drop_caches; echo rc=$?")
     assert "rc=0" not in out and out.count("Read-only file system") == 2
     assert open("/proc/sys/kernel/core_pattern").read() == before
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_a_setuid_root_binary_made_inside_gives_no_one_root_on_the_host(boxes, image):
+@pytest.mark.parametrize("box", BOXES, indirect=True)
+def test_a_setuid_root_binary_made_inside_gives_no_one_root_on_the_host(box):
     """The attack of a sandbox whose root is host root: copy a shell, make it setuid
     root, run it from the host as nobody. Here the copy belongs to the range (and its
     filesystem is nosuid): run as nobody, it is not root."""
-    sb = boxes[image]
-    shell = "/bin/busybox" if image == "busybox" else "/bin/dash"
+    sb = box
+    shell = "/bin/busybox" if busybox_like(sb) else "/bin/dash"
     name = "/tmp/suid-%s" % uuid.uuid4().hex[:6]
     out = sh(sb, "cp %s %s && chown 0:0 %s && chmod 4755 %s && echo made" % ((shell, name) +
                                                                             (name,) * 2))
@@ -97,7 +156,7 @@ def test_a_setuid_root_binary_made_inside_gives_no_one_root_on_the_host(boxes, i
     try:
         st = os.stat(landed)
         assert st.st_uid == sb.info.details["host_root_id"] and st.st_mode & stat.S_ISUID
-        argv = [landed] + (["sh"] if image == "busybox" else []) + ["-c", "id -u"]
+        argv = [landed] + (["sh"] if busybox_like(sb) else []) + ["-c", "id -u"]
         r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
                             "--clear-groups"] + argv, capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout.strip() in ("65534", str(st.st_uid)), r
@@ -105,9 +164,9 @@ def test_a_setuid_root_binary_made_inside_gives_no_one_root_on_the_host(boxes, i
         shutil.rmtree(where)
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_files_made_inside_belong_to_the_range_on_the_host(boxes, image):
-    sb = boxes[image]
+@pytest.mark.parametrize("box", BOXES, indirect=True)
+def test_files_made_inside_belong_to_the_range_on_the_host(box):
+    sb = box
     base = sb.info.details["host_root_id"]
     sh(sb, "touch /tmp/mine /tmp/root-made && chown 1000:1000 /tmp/mine")
     assert os.stat("/proc/%d/root/tmp/mine" % daemon_pid(sb)).st_uid == base + 1000
@@ -131,9 +190,46 @@ def test_nothing_on_the_hosts_disk_is_writable_from_inside(boxes, image):
     assert writable == [], writable
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_device_nodes_cannot_be_made(boxes, image):
-    out = sh(boxes[image], "mknod /tmp/mem c 1 1; echo rc=$?; head -c 1 /tmp/mem; echo rc=$?")
+def test_a_containers_one_writable_host_directory_cannot_redirect_the_host(docker_box):
+    """A container's daemon makes its socket in a host directory bound at /run/sandman,
+    the one host directory it can write (beside the engine's own files of the
+    container, such as /etc/hosts). Swapped for a symlink to a socket of the host, the
+    socket does not take the host's next connection there: the host refuses to follow
+    it, and the host's socket saw nothing."""
+    import socket as sockets
+    from sandman_ray import DaemonClient, SandmanError
+    sb = docker_box
+    with open("/proc/%d/mountinfo" % daemon_pid(sb)) as fh:
+        mounts = [line.split() for line in fh]
+    writable = [m[4] for m in mounts if "rw" in m[5].split(",")
+                and m[m.index("-") + 1] not in ("tmpfs", "overlay", "proc", "devpts", "mqueue",
+                                                   "devtmpfs", "sysfs", "cgroup2", "cgroup")]
+    engine_files = {"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/run/.containerenv"}
+    assert "/run/sandman" in writable and set(writable) <= engine_files | {"/run/sandman"}, \
+        writable
+    bait = os.path.join(tempfile.mkdtemp(prefix="sandman-bait-"), "host.sock")
+    server = sockets.socket(sockets.AF_UNIX)
+    server.bind(bait)
+    server.listen(4)
+    server.setblocking(False)
+    try:
+        out = sh(sb, "cd /run/sandman && mv sock real && ln -s %s sock && echo swapped" % bait)
+        assert "swapped" in out
+        with pytest.raises(SandmanError, match="not a socket"):
+            DaemonClient(sb.info.address, sb.info.token, connect_timeout=5).ping()
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        sh(sb, "cd /run/sandman && rm -f sock && mv real sock")
+        server.close()
+        shutil.rmtree(os.path.dirname(bait))
+    DaemonClient(sb.info.address, sb.info.token).close()  # the real socket, back in its place
+    sb.client.ping()
+
+
+@pytest.mark.parametrize("box", BOXES, indirect=True)
+def test_device_nodes_cannot_be_made(box):
+    out = sh(box, "mknod /tmp/mem c 1 1; echo rc=$?; head -c 1 /tmp/mem; echo rc=$?")
     assert "Operation not permitted" in out and "rc=0" not in out
 
 
@@ -154,33 +250,45 @@ def test_the_host_image_shows_only_what_any_user_may_read(boxes, tmp_path_factor
         subprocess.run(["rm", "-rf", secret_dir])
 
 
-def test_new_user_namespaces_are_refused(boxes):
-    out = sh(boxes["host"], "unshare -U -r id; echo rc=$?; unshare -m true; echo rc=$?")
+@pytest.mark.parametrize("box", ("host", "docker"), indirect=True)
+def test_new_user_namespaces_are_refused(box):
+    out = sh(box, "unshare -U -r id; echo rc=$?; unshare -m true; echo rc=$?")
     assert "rc=0" not in out
 
 
-def test_host_processes_cannot_be_signalled_or_traced(boxes):
+@pytest.mark.parametrize("box", ("host", "docker"), indirect=True)
+def test_host_processes_cannot_be_signalled_or_traced(box):
     """No pid of the host is visible inside; the sandbox's root (a range id) would
     have no right over host root's processes even if it could name them."""
     me = os.getpid()
-    out = sh(boxes["host"], "kill -0 %d; echo rc=$?; kill -9 -1; echo rc=$?" % me)
+    out = sh(box, "kill -0 %d; echo rc=$?; kill -9 -1; echo rc=$?" % me)
     assert "rc=0\n" not in out.split("kill -9")[0] and os.getpid() == me
     assert "No such process" in out
 
 
-def test_the_token_is_not_in_the_daemons_environment(boxes):
-    sb = boxes["busybox"]
+@pytest.mark.parametrize("box", ("busybox", "docker"), indirect=True)
+def test_the_token_is_not_in_the_daemons_environment(box):
+    """Nor in its command line, nor (a container's) in a file inside or in what the
+    engine keeps of the container."""
+    sb = box
     assert sb.info.token.encode() not in open("/proc/%d/environ" % daemon_pid(sb), "rb").read()
-    out = sh(sb, "cat /proc/1/environ; echo; cat /proc/1/cmdline")
+    out = sh(sb, "cat /proc/1/environ; echo; cat /proc/1/cmdline; ls -a /run/sandman; "
+                 "cat /run/sandman/* 2>/dev/null")
     assert sb.info.token not in out
+    if sb.kind == "docker":
+        from sandman_ray.providers.docker import engine_client
+        engine = engine_client(sb.info.details["engine"])
+        assert sb.info.token not in repr(engine.api.inspect_container(
+            sb.info.details["container"]))
 
 
 # ---------------------------------------------------------------- leases that end
-def lease_pool(**config):
+def lease_pool(provider=None, **config):
+    """A pool of one sandbox, of ``provider`` (a new LocalProvider by default)."""
     import sandman_ray as sandman
     from conftest import LOCAL_CACHE, LOCAL_STATE, unique_pool
-    return unique_pool(sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE),
-                       "lease", max_sandboxes=1, **config)
+    provider = provider or sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE)
+    return unique_pool(provider, "lease", max_sandboxes=1, **config)
 
 
 def kept_copy(sb):
@@ -207,11 +315,16 @@ def next_tenant_is_safe_from(old, image, pool, error=None):
         assert ray.get(new.read_file.remote("/tmp/secret")) == b"tenant B"
 
 
-def test_a_released_lease_cannot_reach_the_next_tenant(provider, busybox_rootfs):
+@pytest.mark.parametrize("kind", ("local", "docker"))
+def test_a_released_lease_cannot_reach_the_next_tenant(request, provider, busybox_rootfs, kind):
     import ray
     import sandman_ray as sandman
-    image = "dir:%s" % busybox_rootfs
-    pool = lease_pool()
+    if kind == "docker":
+        image = DOCKER_IMAGE
+        pool = lease_pool(new_docker_provider(request.getfixturevalue("engine")))
+    else:
+        image = "dir:%s" % busybox_rootfs
+        pool = lease_pool()
     try:
         sb = sandman.acquire(image, pool=pool)
         copy = kept_copy(sb)
@@ -468,8 +581,15 @@ def node_addresses():
     return [a for a in host_addresses() if not a.startswith("127.")]
 
 
-@pytest.mark.parametrize("image", IMAGES)
-def test_a_sandbox_with_network_reaches_nothing_of_the_host(provider, busybox_rootfs,
+def provider_and_image(request, kind: str, busybox_rootfs):
+    """A LocalProvider and the busybox rootfs, or a DockerProvider and its busybox image."""
+    if kind == "docker":
+        return request.getfixturevalue("docker_provider"), DOCKER_IMAGE
+    return request.getfixturevalue("provider"), "dir:%s" % busybox_rootfs
+
+
+@pytest.mark.parametrize("image", BOXES)
+def test_a_sandbox_with_network_reaches_nothing_of_the_host(request, busybox_rootfs,
                                                             listener, image):
     """Through slirp's gateway (the host's loopback), the host's loopback itself, and
     every address of this node (Ray's GCS port among them): all refused, and the
@@ -479,37 +599,45 @@ def test_a_sandbox_with_network_reaches_nothing_of_the_host(provider, busybox_ro
     port, accepted = listener
     gcs_port = int(ray.get_runtime_context().gcs_address.rpartition(":")[2])
     targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
-    images = {"default": SandboxSpec().image, "host": "host", "busybox": "dir:%s" % busybox_rootfs}
-    spec = SandboxSpec(image=images[image], network=True)
-    with Sandbox(provider, spec) as sb:
-        out = sh(sb, connect(image, targets, port))
+    where, location = provider_and_image(request, image, busybox_rootfs)
+    images = {"default": SandboxSpec().image, "host": "host"}
+    spec = SandboxSpec(image=images.get(image, location), network=True)
+    shell = "busybox" if image == "docker" else image
+    before = len(accepted)
+    with Sandbox(where, spec) as sb:
+        out = sh(sb, connect(shell, targets, port))
         assert "no-nc" not in out and "open" not in out, out
         assert out.count("closed") == len(targets), out
-        out = sh(sb, connect(image, node_addresses(), gcs_port))
+        out = sh(sb, connect(shell, node_addresses(), gcs_port))
         assert "open" not in out, out
-    assert accepted == []
+    assert len(accepted) == before
 
 
-def test_network_allow_opens_exactly_what_it_names(provider, busybox_rootfs, listener):
+@pytest.mark.parametrize("kind", ("local", "docker"))
+def test_network_allow_opens_exactly_what_it_names(request, busybox_rootfs, listener, kind):
     """The same path works once the spec allows the node's address: the filter, not a
     broken stack, is what refuses the rest."""
     from sandman_ray.spec import SandboxSpec
     port, accepted = listener
     node = node_addresses()[0]
-    spec = SandboxSpec(image="dir:%s" % busybox_rootfs, network=True,
-                       network_allow=[node])
-    with Sandbox(provider, spec) as sb:
+    where, image = provider_and_image(request, kind, busybox_rootfs)
+    spec = SandboxSpec(image=image, network=True, network_allow=[node])
+    before = len(accepted)
+    with Sandbox(where, spec) as sb:
         r = sb.client.exec(["/bin/sh", "-c", "busybox nc -w 2 %s %d </dev/null" % (node, port)])
         assert r.stdout == b"host secret\n"
         assert "closed" in sh(sb, connect("busybox", "10.0.2.2", port))
-    assert len(accepted) == 1
+    assert len(accepted) == before + 1
 
 
-def test_root_inside_cannot_lift_the_network_filter(provider, busybox_rootfs):
+@pytest.mark.parametrize("kind", ("local", "docker"))
+def test_root_inside_cannot_lift_the_network_filter(request, busybox_rootfs, kind):
     from sandman_ray.spec import SandboxSpec
-    with Sandbox(provider, SandboxSpec(image="dir:%s" % busybox_rootfs, network=True)) as sb:
+    where, image = provider_and_image(request, kind, busybox_rootfs)
+    with Sandbox(where, SandboxSpec(image=image, network=True)) as sb:
         out = sh(sb, "ip addr add 10.0.2.50/24 dev tap0; echo rc=$?; ip link set tap0 down; "
-                     "echo rc=$?; ip route del default; echo rc=$?")
+                     "echo rc=$?; ip route del default; echo rc=$?; "
+                     "busybox iptables -F; echo rc=$?")
         assert "rc=0" not in out and "Operation not permitted" in out
         rules = subprocess.run(["nsenter", "--net=/proc/%d/ns/net" % daemon_pid(sb),
                                 "iptables-legacy-save"], capture_output=True, text=True).stdout
@@ -549,6 +677,25 @@ def test_pool_defaults_stop_a_disk_filler_a_fork_bomb_and_a_memory_hog(provider,
             assert ray.get(hog.exec.remote("echo still answering")).exit_code == 0
     finally:
         sandman.shutdown_pool(pool)
+
+
+def test_a_containers_limits_stop_a_fork_bomb_and_a_memory_hog(docker_provider, docker_box):
+    """The pool's default pids and memory limits, as a DockerProvider container gets
+    them: the fork bomb meets EAGAIN, the hog a kill, and the neighbour notices nothing.
+    (Its disk is limited only where the engine's storage has quotas: SECURITY.md.)"""
+    from sandman_ray.spec import SandboxSpec
+    with Sandbox(docker_provider, SandboxSpec(image=DOCKER_IMAGE, pids=64,
+                                              memory="96Mi")) as hog:
+        bomb = hog.client.exec(["/bin/sh", "-c", "for i in $(seq 100); do sleep 30 "
+                                ">/dev/null 2>&1 & done; echo done"], timeout=30)
+        assert b"can't fork" in bomb.stdout + bomb.stderr or \
+            b"Resource temporarily unavailable" in bomb.stdout + bomb.stderr
+        sh(hog, "kill -9 -1 2>/dev/null; true")
+        memory = hog.client.exec(["/bin/sh", "-c", "dd if=/dev/zero of=/dev/null bs=200M count=1;"
+                                  " echo rc=$?"], timeout=60)
+        assert memory.stdout.strip() in (b"rc=137", b"rc=1")  # killed, or refused
+        assert sh(docker_box, "echo fine") == "fine\n"
+        assert hog.client.exec("echo still answering").exit_code == 0
 
 
 # ---------------------------------------------------------------- under gVisor
@@ -601,6 +748,52 @@ def test_gvisor_refuses_the_host_image_and_says_why(gvisor_box):
     _, provider = gvisor_box
     with pytest.raises(ProviderError, match="under gVisor a sandbox needs an image"):
         run(provider.create(new_id(), __import__("sandman_ray").SandboxSpec(image="host"), {}))
+
+
+@pytest.fixture(scope="module")
+def gvisor_container(provider, busybox_rootfs):
+    """A DockerProvider container of the busybox image under gVisor: a Podman service of
+    its own whose runtime is runsc (PodmanService(runtime="runsc"))."""
+    from conftest import LOCAL_CACHE, run
+    from sandman_ray.providers.docker import DockerProvider
+    from sandman_ray.providers.podman_service import PodmanService
+    service = PodmanService(os.path.join(DOCKER_WORK, "podman-runsc"), runtime="runsc").start()
+    try:
+        service.import_rootfs(busybox_rootfs, DOCKER_IMAGE)
+        gvisor = DockerProvider(base_url=service.base_url, runtime="runsc",
+                                state_root=os.path.join(DOCKER_WORK, "state-runsc"),
+                                cache_root=LOCAL_CACHE).bind("runsc-%s" % uuid.uuid4().hex[:6])
+        try:
+            with Sandbox(gvisor, DOCKER_IMAGE) as sb:
+                yield sb, gvisor
+        finally:
+            run(gvisor.shutdown())
+    finally:
+        service.stop()
+
+
+def test_a_container_under_gvisor_runs_the_daemon_under_its_own_kernel(gvisor_container):
+    sb, _ = gvisor_container
+    assert sb.info.details["runtime"] == "runsc"
+    assert sh(sb, "uname -r").strip() != os.uname().release
+    before = open("/proc/sys/kernel/core_pattern").read()
+    out = sh(sb, "echo '|/tmp/pwn' > /proc/sys/kernel/core_pattern; echo rc=$?; "
+                 "kill -0 %d; echo rc=$?; mknod /tmp/mem c 1 1 && head -c 1 /tmp/mem; "
+                 "echo rc=$?" % os.getpid())
+    assert "rc=0" not in out, out
+    assert open("/proc/sys/kernel/core_pattern").read() == before
+    sb.client.write_file("/root/x", b"data")
+    assert sb.client.read_file("/root/x") == b"data"
+
+
+def test_a_container_under_gvisor_with_network_is_refused_and_says_why(gvisor_container):
+    from sandman_ray.errors import ProviderError
+    from sandman_ray.spec import SandboxSpec
+    from conftest import new_id, run
+    _, gvisor = gvisor_container
+    with pytest.raises(ProviderError, match="under gVisor through Podman a container has no "
+                                            "network"):
+        run(gvisor.create(new_id(), SandboxSpec(image=DOCKER_IMAGE, network=True), {}))
 
 
 def test_the_specs_environment_never_reaches_the_host_side_of_the_launch(provider,

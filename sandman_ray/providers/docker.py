@@ -24,9 +24,15 @@ talks to that node's engine; the pool-side half is shared with the LocalProvider
   namespace before the daemon is reachable (``providers/network.py``): no host or
   cluster address, no private, link-local or metadata range unless
   ``SandboxSpec.network_allow`` names it. Containers get no CAP_NET_ADMIN to undo it;
+- no nested user namespaces: ``user.max_user_namespaces`` is 0 inside the container's
+  own (``userns.forbid_nested_user_namespaces``), which its root cannot raise;
 - ``runtime`` picks the OCI runtime (``runsc``: gVisor); Podman's Docker API takes
   the runtime from its containers.conf rather than from the request, so with Podman
-  the engine's default runtime must be the one asked for (``PodmanService(runtime=)``);
+  the engine's default runtime must be the one asked for (``PodmanService(runtime=)``).
+  Under runsc, root inside is root of gVisor's kernel, whose sentry runs unprivileged
+  on the host; Podman's user namespace is not added there (runsc's gofer, which serves
+  the bind mounts, would then lose access to the bundle), and files made inside stay
+  in gVisor's memory-backed overlay;
 - labels carry the pool, the sandbox id, the node and the agent's incarnation, so the
   pool lists and reconciles by label, and whatever an agent leaves when it dies is
   removed by its janitor (``providers/janitor.py``);
@@ -62,7 +68,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import ray
 
-from sandman_ray.errors import ProviderError, SandmanError
+from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, throttled, transient)
 from sandman_ray.providers.nodes import NodeAgentProvider, SingleFlight
@@ -77,7 +83,6 @@ AGENT_LABEL = "sandman.agent"   # the incarnation of the agent that created the 
 SOCKET_DIR = "/run/sandman"
 TCP_PORT = 7000                 # where the daemon listens inside the container (tcp)
 PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
-MAX_SOCKET_PATH = 107           # sun_path, less its terminating NUL
 API_VERSION = "1.41"            # Docker 20.10+ and Podman 4 speak it
 IDS_PER_CONTAINER = 65536       # host ids of a container's user namespace (Podman)
 # Podman's slirp4netns: the host's loopback (10.0.2.2) and IPv6 off; the filter does the rest
@@ -279,15 +284,11 @@ class DockerAgent:
         self.user_namespace, self.runtime, self.disk_quota = user_namespace, runtime, disk_quota
         self.facts: Optional[EngineFacts] = None  # asked at the first create
         self.incarnation = secrets.token_hex(8)
-        # <root>/<pool and node>/<incarnation>/<sandbox id>/sock, short enough for a
-        # unix socket path; a directory per incarnation, so the janitor of a dead agent
-        # removes its own directory, never that of the agent that replaced it
+        # <root>/<pool and node>/<incarnation>/<sandbox id>/sock, of any length (the
+        # host reaches a socket through /proc/self/fd); a directory per incarnation, so
+        # the janitor of a dead agent removes its own directory, never that of the
+        # agent that replaced it
         self.state = Path(state_root) / _short(pool, node_id) / self.incarnation[:8]
-        longest = self.state / ("x" * 24) / "sock.new"
-        if len(str(longest)) > MAX_SOCKET_PATH:
-            raise ValueError("DockerProvider.state_root %r is too long for unix socket paths "
-                             "(%d > %d characters)" % (state_root, len(str(longest)),
-                                                       MAX_SOCKET_PATH))
         self.engine = engine_client(base_url, pool_size=max_engine_calls + PULLS_AT_ONCE + 2)
         self.max_engine_calls = max_engine_calls
         self.executor = ThreadPoolExecutor(max_engine_calls, thread_name_prefix="engine")
@@ -502,8 +503,7 @@ class DockerAgent:
             self._still_wanted(sandbox_id)
             await self._engine("start %s" % sandbox_id, container.start)
             pid = await self._started_pid(sandbox_id, container)
-            if spec.network:
-                await self._filter_network(sandbox_id, pid, spec)
+            await self._seal(sandbox_id, pid, spec)
             address = await self._wait_listening(sandbox_id, container, run_dir, token)
             self._still_wanted(sandbox_id)
         except BaseException:
@@ -519,7 +519,8 @@ class DockerAgent:
             sandbox_id, address, token, config["labels"], details={
                 "container": container.id[:12], "engine": self.base_url, "image": image,
                 "spec": spec, "alive": True, "runtime": self.runtime or self.facts.default_runtime,
-                "user_namespace": self.user_namespace, "host_root_id": _host_root_id(pid),
+                "user_namespace": "gvisor" if self.runtime == "runsc" else self.user_namespace,
+                "host_root_id": _host_root_id(pid) if self.runtime != "runsc" else None,
                 "disk_limit": spec.disk if self.disk_quota else None,
                 "timings": {"image_s": pulled - started, "create_s": created - pulled,
                             "start_ready_s": time.monotonic() - created}})
@@ -533,22 +534,34 @@ class DockerAgent:
             raise transient("sandbox %s: its container stopped as it started" % sandbox_id)
         return pid
 
-    async def _filter_network(self, sandbox_id: str, pid: int, spec: SandboxSpec) -> None:
-        """Load the network filter into the started container's namespace, before the
-        daemon is reachable (nothing inside runs before a client connects)."""
+    async def _seal(self, sandbox_id: str, pid: int, spec: SandboxSpec) -> None:
+        """Before the daemon is reachable (nothing inside runs before a client
+        connects): no nested user namespaces, and the network filter loaded into the
+        container's namespace."""
         from sandman_ray.providers.network import load_filter, ray_node_addresses, ruleset
+        from sandman_ray.providers.userns import forbid_nested_user_namespaces
         loop = asyncio.get_running_loop()
-        neighbours = await loop.run_in_executor(None, ray_node_addresses)
-        rules = ruleset(spec.network_allow, neighbours,
-                        serves=TCP_PORT if self.transport == "tcp" else None)
-        await loop.run_in_executor(None, load_filter, sandbox_id, "/proc/%d/ns/net" % pid, rules)
+        try:  # (under runsc, namespaces made inside are gVisor's, not the host kernel's)
+            if self.runtime != "runsc":
+                await loop.run_in_executor(None, forbid_nested_user_namespaces, pid)
+        except OSError as exc:
+            raise transient("sandbox %s: %s" % (sandbox_id, exc)) from exc
+        if spec.network:
+            neighbours = await loop.run_in_executor(None, ray_node_addresses)
+            rules = ruleset(spec.network_allow, neighbours,
+                            serves=TCP_PORT if self.transport == "tcp" else None)
+            try:
+                await loop.run_in_executor(None, load_filter, sandbox_id,
+                                           "/proc/%d/ns/net" % pid, rules)
+            except SandboxLost as exc:
+                raise transient(str(exc)) from exc
 
     def _create_call(self, config: dict):
         """The engine's create, with what the SDK does not pass: Podman's per-container
         user namespace."""
         from docker.models.containers import _create_container_args
         args = _create_container_args(dict(config, version=self.engine.api._version))
-        if self.user_namespace == "auto" and self.facts.podman:
+        if self.user_namespace == "auto" and self.facts.podman and self.runtime != "runsc":
             args["host_config"]["UsernsMode"] = "auto:size=%d" % IDS_PER_CONTAINER
         created = self.engine.api.create_container(**args)
         return self.engine.containers.get(created["Id"])

@@ -1,7 +1,8 @@
 """LocalProvider and DockerProvider (a private Podman API service) side by side on a
 local Ray, one after the other in one run:
 
-  create -> first exec answered   p50 / p99 / all answering, at 1, 50 and 200 at once
+  create -> first exec answered   p50 / p99: one at a time (--creates of them), and
+                                   all answering at 1, 50 and 200 at once
   reset  -> ready (daemon answers) p50 / p99
   delete                           p50
   memory                           PSS per idle sandbox (daemon + bwrap, or daemon +
@@ -11,6 +12,7 @@ Prints a table and one JSON line.
 
     python bench/local.py [--providers local,local-host-root,local-network,local-gvisor,docker] [--image dir:/path]
                           [--docker-image REF] [--bursts 1,50,200] [--resets 50]
+                          [--creates 20] [--execs 500]
 """
 
 import argparse
@@ -75,6 +77,14 @@ async def measure(provider, spec, args, pid_of):
     await burst(provider, spec, 1)  # warm: agent, bundle, image cache
     for sid in [i.sandbox_id for i in await provider.list({"bench": "local"})]:
         await provider.delete(sid)
+    single = []
+    for _ in range(args.creates):
+        sandbox_id, _, elapsed = await create_and_exec(provider, spec)
+        single.append(elapsed)
+        await provider.delete(sandbox_id)
+    rows["create -> first exec, one at a time"] = (pct(single, 0.5), pct(single, 0.99), None)
+    out["create_sequential"] = {"p50_ms": pct(single, 0.5) * 1e3,
+                                "p99_ms": pct(single, 0.99) * 1e3, "samples": len(single)}
     for n in args.bursts:
         results, wall = await burst(provider, spec, n)
         latencies = [r[2] for r in results]
@@ -204,6 +214,8 @@ def main():
     parser.add_argument("--bursts", default="1,50,200")
     parser.add_argument("--resets", type=int, default=50)
     parser.add_argument("--execs", type=int, default=500, help="exec true on one sandbox")
+    parser.add_argument("--creates", type=int, default=20,
+                        help="creates one at a time (create -> first exec -> delete)")
     args = parser.parse_args()
     args.bursts = [int(b) for b in args.bursts.split(",")]
     args.providers = [p for p in args.providers.split(",") if p]

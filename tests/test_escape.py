@@ -102,19 +102,8 @@ def daemon_pid(sb) -> int:
         from sandman_ray.providers.docker import engine_client
         engine = engine_client(sb.info.details["engine"])
         return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
-    todo = [sb.info.details["pid"]]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                cmdline = fh.read()
-            if b"sandmand" in cmdline and not cmdline.startswith(b"bwrap"):
-                return pid
-            with open("/proc/%d/task/%d/children" % (pid, pid)) as fh:
-                todo += [int(c) for c in fh.read().split()]
-        except OSError:
-            continue
-    raise AssertionError("no daemon under %s" % sb.info.details["pid"])
+    from sandman_ray.providers.bwrap import daemon_under
+    return daemon_under(sb.info.details["pid"])
 
 
 @pytest.mark.parametrize("box", BOXES, indirect=True)
@@ -843,3 +832,83 @@ def test_the_network_filter_refuses_the_clusters_other_nodes_too():
     assert "-A OUTPUT -d 203.0.113.7/32 -j REJECT" in rules
     assert rules.index("-A OUTPUT -d 198.51.100.9/32 -j ACCEPT") < rules.index(
         "-A OUTPUT -d 203.0.113.7/32 -j REJECT")
+
+
+# ---------------------------------------------------------------- an agent that is not root
+NOBODY = 65534
+
+
+def run_as_nobody(work: str, port: int, targets) -> dict:
+    """tests/unprivileged_agent.py run as nobody, its JSON. The interpreter, the
+    virtualenv's packages and the checkout stay where root put them (perhaps under a
+    0700 home): a private mount namespace binds them read-only where nobody may read
+    them, and nobody runs the same code from there."""
+    import json
+    import site
+    import sys
+    from conftest import ROOT
+    python = os.path.realpath(sys.executable)
+    base = os.path.realpath(sys.base_prefix)
+    mnt = tempfile.mkdtemp(prefix="sandman-nobody-")
+    os.chmod(mnt, 0o755)
+    try:
+        for sub in ("python", "site", "repo", "pkgs/sandman_ray"):
+            os.makedirs(os.path.join(mnt, sub))
+        for entry in os.listdir(ROOT / "sandman_ray"):  # the package as installed maps it
+            os.symlink(os.path.join(mnt, "repo", "sandman_ray", entry),
+                       os.path.join(mnt, "pkgs", "sandman_ray", entry))
+        os.symlink(os.path.join(mnt, "repo", "daemon"),
+                   os.path.join(mnt, "pkgs", "sandman_ray", "daemon"))
+        script = ("mount --bind -o ro %s %s/python && mount --bind -o ro %s %s/site && "
+                  "mount --bind -o ro %s %s/repo && exec setpriv --reuid %d --regid %d "
+                  "--clear-groups env -i HOME=%s PATH=/usr/sbin:/usr/bin:/sbin:/bin "
+                  "PYTHONHOME=%s/python PYTHONPATH=%s/pkgs:%s/site %s/python/%s "
+                  "%s/repo/tests/unprivileged_agent.py %s %d %s" % (
+                      base, mnt, site.getsitepackages()[0], mnt, ROOT, mnt, NOBODY, NOBODY,
+                      work, mnt, mnt, mnt, mnt, os.path.relpath(python, base), mnt, work,
+                      port, " ".join(targets)))
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               script], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(mnt)
+
+
+def test_an_agent_that_is_not_root_holds_its_sandboxes_too(listener):
+    """A LocalProvider agent run as nobody cannot map a range of ids: each sandbox is a
+    user namespace of the agent's uid alone. The attacks fail there as well: root
+    inside is nobody on the host, /proc/sys stays read-only, no device nodes and no
+    nested namespaces, the disk and process limits hold, the host's secrets stay
+    closed, and with network=True the filter refuses the host and cannot be lifted.
+    /dev/net/tun, which slirp4netns opens as the agent's user, is 0600 on some hosts
+    (Debian's udev makes it 0666): the test makes it 0666 while it runs, and puts the
+    mode back."""
+    port, accepted = listener
+    work = "/tmp/sandman-ray-test/nobody-%s" % uuid.uuid4().hex[:6]
+    os.makedirs(work, mode=0o700)
+    os.chown(work, NOBODY, NOBODY)
+    tun_mode = stat.S_IMODE(os.stat("/dev/net/tun").st_mode)
+    before = len(accepted)
+    try:
+        os.chmod("/dev/net/tun", 0o666)
+        out = run_as_nobody(work, port, node_addresses())
+    finally:
+        os.chmod("/dev/net/tun", tun_mode)
+        subprocess.run(["rm", "-rf", work])
+    assert out["agent_uid"] == NOBODY
+    assert out["daemon_ids"] == [[str(NOBODY)] * 4] * 2 and out["id"] == "0\n0\n"
+    assert "rc=0" not in out["proc_sys"] and "Read-only file system" in out["proc_sys"]
+    assert "made" in out["setuid"] and out["setuid_on_host"][0] == NOBODY
+    assert "rc=0" not in out["mknod"] and "Operation not permitted" in out["mknod"]
+    assert "rc=0" not in out["unshare"]
+    assert "No space left on device" in out["disk"]
+    assert "can't fork" in out["fork_bomb"] or "Resource temporarily" in out["fork_bomb"]
+    assert out["still"] == "still answering\n"
+    assert "root:" not in out["shadow"] and "Permission denied" in out["shadow"]
+    assert "rc=0" not in out["kill_host"]
+    assert "network_error" not in out, out.get("network_error")
+    assert "open" not in out["network"] and out["network"].count("closed") == \
+        2 + len(node_addresses()), out["network"]
+    assert "rc=0" not in out["lift_filter"]
+    assert len(accepted) == before

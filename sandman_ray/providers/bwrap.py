@@ -32,6 +32,15 @@ The tmpfs goes over the state root because the sandbox's setup runs as the range
 root, which the host's 0700 state and cache roots keep out: it sees this sandbox's
 directories at their usual paths, and nothing of the other sandboxes. One ``mount -a``
 attaches them all: each exec in the chain costs ~1.3 ms here.
+
+An agent that does not run as root (``unprivileged``) cannot map a range, make
+detached mounts or cgroups. Its chain starts in a user namespace of its own uid alone
+(``unshare --user --map-root-user``: root inside is the agent's uid, every other id
+unmapped), which owns the sandbox's mount (and network) namespace; there the launch
+mounts the size-limited tmpfs over the state root, the overlay over the image (which
+must be the agent's own files: its caches are) and the bundle, then bwrap runs as
+that namespace's root with the same arguments. Limits are prlimit's (RLIMIT_AS,
+RLIMIT_NPROC, counted per user namespace) and the tmpfs's size.
 """
 
 import asyncio
@@ -83,8 +92,46 @@ shift 3
 [ -z "$userns" ] || exec nsenter --user="$userns" "$@"
 exec "$@"
 """
+# The chain of an agent that is not root: in a user namespace of its uid alone, the
+# launch mounts what the agent cannot make detached (arguments: fstab, state dir,
+# bundle, view root, tmpfs size, mode of upper).
+_LAUNCH_ONE_UID = r"""[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
+exec 6<"$3" 7<"$1"
+mount -c -t tmpfs -o "size=$5,mode=0755,nosuid,nodev" sandman-layer "$4" || exit 98
+mkdir -p "$2/upper" "$2/work" "$2/root" "$2/bundle" && chmod "$6" "$2/upper" || exit 98
+[ -z "$SANDMAN_NET_FD" ] || echo "nameserver 10.0.2.3" > "$2/resolv.conf"
+mount -c -a -T /proc/self/fd/7 || exit 98
+exec </dev/null 6<&- 7<&-
+shift 6
+exec "$@"
+"""
 # A sandbox's writable layer when neither its spec nor its pool sets a disk limit.
 DEFAULT_DISK = 4 * 2 ** 30
+
+
+def daemon_under(chain_pid: int) -> int:
+    """The host pid of the daemon (PID 1 inside) that the launch chain ``chain_pid``
+    started: the descendant whose command line names sandmand."""
+    from sandman_ray.daemon.sandmand import descendants
+    for pid in sorted(descendants(chain_pid)):
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if b"sandmand" in cmdline and not cmdline.startswith(b"bwrap"):
+            return pid
+    raise SandboxLost("no daemon runs under pid %d" % chain_pid)
+
+
+def _option_path(path: Path) -> str:
+    """``path`` as a mount option's value (overlay's lowerdir), where a comma or a
+    colon would split it."""
+    text = str(path)
+    if any(c in text for c in ",:\\ \t\n"):
+        raise ProviderError("image path %r cannot be an overlay layer (it holds a comma, "
+                            "colon, backslash or space)" % text, "fatal")
+    return text
 
 
 def _high(fd: int) -> int:
@@ -175,7 +222,8 @@ class SandboxProcess:
 
     ``view_root`` is the state root the chain's tmpfs is mounted over. ``ids`` is the
     sandbox's range of host ids (providers/userns.py); None runs it without a user
-    namespace, as host root with a reduced capability set.
+    namespace, as host root with a reduced capability set, or, ``unprivileged`` (the
+    agent is not root), in a user namespace of the agent's uid alone.
 
     ``launch`` starts it; ``wait_ready`` (async) or ``wait_ready_blocking`` waits until
     the daemon listens; ``kill`` stops everything, the writable layer with it.
@@ -183,9 +231,13 @@ class SandboxProcess:
 
     def __init__(self, sandbox_id: str, image: PreparedImage, bundle: Path, state_dir: Path,
                  spec: SandboxSpec, cgroup_group: Optional[str] = None, hostname: str = "",
-                 ids: Optional[IdRange] = None, view_root: Optional[Path] = None):
+                 ids: Optional[IdRange] = None, view_root: Optional[Path] = None,
+                 unprivileged: bool = False):
+        if unprivileged and (ids is not None or cgroup_group):
+            raise ValueError("an unprivileged sandbox has no id range and no cgroups")
         self.sandbox_id, self.image, self.bundle = sandbox_id, image, Path(bundle)
         self.state_dir, self.spec, self.ids = Path(state_dir), spec, ids
+        self.unprivileged = unprivileged
         self.view_root = Path(view_root) if view_root is not None else self.state_dir.parent
         self.hostname = hostname or sandbox_id[:63]
         self.cgroups = Cgroups(cgroup_group) if cgroup_group else None
@@ -295,8 +347,17 @@ class SandboxProcess:
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
         if user:
             bwrap += ["--user", user]
+        net = ["--net"] if self.spec.network else []
+        if self.unprivileged:
+            upper_mode = "1777" if self.image.rootfs is None else "0755"
+            return (rlimits(self.spec, self.applied, nproc=True) +
+                    ["unshare", "--user", "--map-root-user", "--mount"] + net +
+                    ["--propagation", "private", "/bin/sh", "-c", _LAUNCH_ONE_UID,
+                     "sandman-launch", str(self.state_dir / "fstab"), str(self.state_dir),
+                     str(self.bundle), str(self.view_root),
+                     str(self.spec.disk or DEFAULT_DISK), upper_mode] + bwrap)
         return (rlimits(self.spec, self.applied) +
-                ["unshare", "--mount"] + (["--net"] if self.spec.network else []) +
+                ["unshare", "--mount"] + net +
                 ["--propagation", "private", "/bin/sh", "-c", _LAUNCH,
                  "sandman-launch", str(self.state_dir / "fstab"),
                  self.ids.userns_path if self.ids else "", str(self.bundle)] + bwrap)
@@ -304,6 +365,13 @@ class SandboxProcess:
     def launch(self) -> None:
         """Start the chain (from a thread that lives as long as the sandbox should:
         bwrap dies with its parent thread)."""
+        if self.unprivileged and self.spec.network and \
+                not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+            raise ProviderError(
+                "network=True for an agent that is not root needs /dev/net/tun that uid %d "
+                "may open (Debian's udev makes it 0666; here it is %s)"
+                % (os.geteuid(), oct(stat.S_IMODE(os.stat("/dev/net/tun").st_mode))
+                   if os.path.exists("/dev/net/tun") else "missing"), "fatal")
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.cgroups is not None and not self.cgroups.dirs:
             self.cgroups.create(self.spec)
@@ -383,6 +451,8 @@ class SandboxProcess:
         sandbox's range when it has one). Both are descriptors of 10 or more: the
         launch's shell uses 6 for the bundle, which it opens itself (a clone of a
         directory of this namespace would not bind in the launch's)."""
+        if self.unprivileged:  # the launch mounts them itself, in its user namespace
+            return {}
         base = self.ids.base if self.ids is not None else 0
         made: Dict[str, int] = {}
         try:
@@ -414,8 +484,15 @@ class SandboxProcess:
     def _fstab(self, mounts: Dict[str, int]) -> str:
         """What the launch attaches, in order (``mount -a -T``)."""
         st = fstab_path(self.state_dir)
-        lines = ["/proc/self/fd/%d %s none bind 0 0" % (mounts["layer"],
-                                                       fstab_path(self.view_root))]
+        if self.unprivileged:  # the layer is mounted by then; the image by its path
+            lines = []
+            if self.image.rootfs is not None:
+                lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=%s,upperdir=%s/upper,"
+                             "workdir=%s/work 0 0" % (st, _option_path(self.image.rootfs),
+                                                      st, st))
+        else:
+            lines = ["/proc/self/fd/%d %s none bind 0 0" % (mounts["layer"],
+                                                           fstab_path(self.view_root))]
         if "lower" in mounts:  # the launch's stdin
             lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=/proc/self/fd/0,"
                          "upperdir=%s/upper,workdir=%s/work 0 0" % (st, st, st))
@@ -490,7 +567,8 @@ class SandboxProcess:
         network, proc = self.network, self.proc
         if network is None or proc is None or proc.poll() is not None:
             raise SandboxLost("sandbox %s stopped before its network was up" % self.sandbox_id)
-        network.start(proc.pid, self.cgroups.procs_files() if self.cgroups else ())
+        network.start(proc.pid, self.cgroups.procs_files() if self.cgroups else (),
+                      own_userns=self.unprivileged)
 
     def wait_ready_blocking(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -569,18 +647,21 @@ class SandboxProcess:
 
 class BwrapSandbox:
     """One sandbox driven synchronously (scripts, the demo, benchmarks): ``start()``
-    returns the daemon's address once it listens; ``stop()`` removes everything."""
+    returns the daemon's address once it listens; ``stop()`` removes everything. Run
+    by a user other than root, it is ``unprivileged`` (SandboxProcess)."""
 
     def __init__(self, rootfs: Path, bundle: Path, run_dir: Path, *, network: bool = False,
                  hostname: str = "sandbox", env: Optional[Dict[str, str]] = None,
-                 workdir: Optional[str] = None):
+                 workdir: Optional[str] = None, unprivileged: Optional[bool] = None):
         image = PreparedImage("host" if Path(rootfs) == Path("/") else "dir:%s" % rootfs,
                               None if Path(rootfs) == Path("/") else Path(rootfs))
         spec = SandboxSpec(image=image.image, env=dict(env or {}), network=network,
                            workdir=workdir)
         self.state_dir = Path(run_dir)
+        if unprivileged is None:
+            unprivileged = os.geteuid() != 0
         self.process = SandboxProcess(hostname, image, bundle, self.state_dir, spec,
-                                      hostname=hostname)
+                                      hostname=hostname, unprivileged=unprivileged)
 
     @property
     def token(self) -> str:

@@ -139,13 +139,15 @@ def _write(path: Path, value) -> None:
         fh.write(str(value))
 
 
-def rlimits(spec: SandboxSpec, applied: Dict[str, str]) -> List[str]:
-    """prlimit arguments for what cgroups could not enforce."""
+def rlimits(spec: SandboxSpec, applied: Dict[str, str], nproc: bool = False) -> List[str]:
+    """prlimit arguments for what cgroups could not enforce. RLIMIT_NPROC only where
+    the kernel counts it (``nproc``: processes of a user namespace's own; else a spec's
+    user other than root, which the kernel does not hold to it)."""
     args = []
     if spec.memory is not None and "memory" not in applied:
         args.append("--as=%d" % spec.memory)
         applied["memory"] = "rlimit-as"
-    if spec.pids is not None and "pids" not in applied and spec.user:
-        args.append("--nproc=%d" % spec.pids)  # not enforced for uid 0
+    if spec.pids is not None and "pids" not in applied and (spec.user or nproc):
+        args.append("--nproc=%d" % spec.pids)
         applied["pids"] = "rlimit-nproc"
     return ["prlimit"] + args + ["--"] if args else []

@@ -60,10 +60,21 @@ class NodeAgent:
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools)
+        # An agent that is not root runs each sandbox in a user namespace of its own uid
+        # alone (bwrap.SandboxProcess, unprivileged): no ranges, no cgroups
+        self.unprivileged = os.geteuid() != 0
+        if self.unprivileged and isolation == "gvisor":
+            raise ValueError("LocalProvider(isolation='gvisor') needs the node agent to run "
+                             "as root (uid %d here)" % os.geteuid())
         # gVisor's own kernel stands between sandbox and host: no range is needed
-        ranged = user_namespaces and isolation != "gvisor"
+        ranged = user_namespaces and isolation != "gvisor" and not self.unprivileged
         why_not = supported() if ranged else None
         self.ranges = Ranges(RANGE_LOCKS) if ranged and why_not is None else None
+        if self.unprivileged:
+            logger.warning("pool %s: the agent on node %s is not root: its sandboxes run in a "
+                           "user namespace of uid %d alone, with limits by prlimit and "
+                           "the writable layer's size, no cgroups", pool, node_id[:12],
+                           os.geteuid())
         if why_not is not None:
             logger.warning("pool %s: sandboxes on node %s run without a user namespace "
                            "(root inside is host root with fewer capabilities): %s",
@@ -116,9 +127,10 @@ class NodeAgent:
         except OSError as exc:
             raise transient("sandbox %s: no uid range: %s" % (sandbox_id, exc)) from exc
         kind = GvisorProcess if self.isolation == "gvisor" else SandboxProcess
+        extra = {"unprivileged": True} if self.unprivileged else {
+            "cgroup_group": "%s/%s" % (self.cgroup_parent, sandbox_id), "ids": ids}
         sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
-                       cgroup_group="%s/%s" % (self.cgroup_parent, sandbox_id),
-                       ids=ids, view_root=self.view_root)
+                       view_root=self.view_root, **extra)
         if spec.network:  # no route to any node of the cluster, this one's or another's
             sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses)
         try:
@@ -151,7 +163,8 @@ class NodeAgent:
                      "unpacked_by": sandbox.image.unpacked_by, "limits": dict(sandbox.applied),
                      "alive": sandbox.alive, "pid": sandbox.proc.pid if sandbox.proc else None,
                      # root inside is this host uid and gid (None: host root)
-                     "host_root_id": sandbox.ids.base if sandbox.ids else None,
+                     "host_root_id": sandbox.ids.base if sandbox.ids else (
+                         os.geteuid() if self.unprivileged else None),
                      "isolation": self.isolation})
 
     async def delete(self, sandbox_id: str) -> None:

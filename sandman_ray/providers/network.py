@@ -97,10 +97,18 @@ def _iptables_restore() -> List[str]:
     raise FileNotFoundError("iptables-restore is missing (Debian package iptables)")
 
 
-def load_filter(sandbox_id: str, netns: str, rules: str) -> None:
-    """Load ``rules`` into the network namespace at path ``netns``."""
-    done = subprocess.run(["nsenter", "--net=" + netns] + _iptables_restore(),
-                          input=rules.encode(), capture_output=True)
+def load_filter(sandbox_id: str, netns: str, rules: str, userns: Optional[str] = None) -> None:
+    """Load ``rules`` into the network namespace at path ``netns``; from inside the user
+    namespace at ``userns`` when that one owns it (an agent that is not root), with
+    iptables' lock file in a directory of that user's."""
+    env = None
+    if userns is not None:
+        env = dict(os.environ, XTABLES_LOCKFILE=os.path.join(
+            os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "sandman-xtables-%d.lock" % os.getuid()))
+    done = subprocess.run(["nsenter"] + (["--user=" + userns, "--preserve-credentials"]
+                                         if userns else []) +
+                          ["--net=" + netns] + _iptables_restore(),
+                          input=rules.encode(), capture_output=True, env=env)
     if done.returncode != 0:
         raise SandboxLost("sandbox %s: its network filter did not load: %s"
                           % (sandbox_id, done.stderr.decode(errors="replace")[-500:]))
@@ -117,29 +125,35 @@ class SandboxNetwork:
         self.lock = threading.Lock()  # start runs on a worker thread, stop anywhere
         self.stopped = False
 
-    def start(self, pid: int, cgroup_procs: Sequence[str] = ()) -> None:
+    def start(self, pid: int, cgroup_procs: Sequence[str] = (), own_userns: bool = False) -> None:
         """Filter, then connect, the network namespace of process ``pid``; answer once
         ``tap0`` is up. slirp4netns joins the sandbox's cgroups (so removing the
-        sandbox, the janitor and ``leftovers`` find it) and exits when the agent does."""
+        sandbox, the janitor and ``leftovers`` find it) and exits when the agent does.
+        ``own_userns``: the namespace belongs to ``pid``'s user namespace (an agent that
+        is not root), which both join to act on it."""
+        userns = "/proc/%d/ns/user" % pid if own_userns else None
         load_filter(self.sandbox_id, "/proc/%d/ns/net" % pid,
-                    ruleset(self.allow, self.neighbours))
+                    ruleset(self.allow, self.neighbours), userns)
         with self.lock:
             if self.stopped:  # the sandbox was stopped meanwhile
                 raise SandboxLost("sandbox %s stopped before its network was up"
                                   % self.sandbox_id)
-            self._attach(pid, cgroup_procs)
+            self._attach(pid, cgroup_procs, userns)
 
-    def _attach(self, pid: int, cgroup_procs: Sequence[str]) -> None:
+    def _attach(self, pid: int, cgroup_procs: Sequence[str], userns: Optional[str]) -> None:
         exit_r, self.exit_w = os.pipe()
         ready_r, ready_w = os.pipe()
         try:
+            # by path: given a pid it would also join that process's user namespace, in
+            # which host root has no rights over this namespace. An agent that is not
+            # root runs it in the namespace's own user namespace instead, where its
+            # sandbox (a mount namespace of its own) can be made.
+            enter = ["nsenter", "--user=" + userns, "--preserve-credentials"] if userns else []
             self.slirp = subprocess.Popen(
-                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                 "--enable-sandbox", "--enable-seccomp", "--exit-fd=%d" % exit_r,
-                 "--ready-fd=%d" % ready_w,
-                 # by path: given a pid it would also join that process's user
-                 # namespace, in which it has no rights over this namespace
-                 "--netns-type=path", "/proc/%d/ns/net" % pid, TAP],
+                enter + ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                         "--enable-sandbox", "--enable-seccomp", "--exit-fd=%d" % exit_r,
+                         "--ready-fd=%d" % ready_w, "--netns-type=path",
+                         "/proc/%d/ns/net" % pid, TAP],
                 pass_fds=(exit_r, ready_w), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         finally:

@@ -112,7 +112,9 @@ class PodmanService:
         log = open(self.root / "service.log", "ab")
         self.process = subprocess.Popen(
             ["podman", "system", "service", "--time=0", self.base_url], env=self.env(),
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+            # in its own directory: conmon leaves files (an "oom" marker) in its cwd
+            cwd=str(self.root), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True)
         log.close()
         try:
             self._wait_answering(timeout_s)

@@ -731,6 +731,41 @@ def test_under_gvisor_the_host_kernel_and_files_are_out_of_reach(gvisor_box):
     assert b"pwned" not in (rootfs / "etc" / "passwd").read_bytes()
 
 
+def test_under_gvisor_the_one_host_directory_cannot_fill_the_hosts_disk(gvisor_box):
+    """/run/sandman, where the daemon's socket is a host socket, is the only directory
+    the sandbox writes on the host's side: a 1 MiB tmpfs of the chain's own."""
+    sb, _ = gvisor_box
+    free = shutil.disk_usage("/tmp").free
+    out = sh(sb, "dd if=/dev/zero of=/run/sandman/fill bs=1M count=64 2>&1; echo rc=$?; "
+                 "rm -f /run/sandman/fill")
+    assert "No space left on device" in out and "rc=0" not in out, out
+    assert abs(shutil.disk_usage("/tmp").free - free) < 16 * 2 ** 20
+    assert sb.client.exec("echo fine").stdout == b"fine\n"
+
+
+def test_under_gvisor_a_sandbox_with_network_reaches_nothing_of_the_host(gvisor_box, listener):
+    """gVisor's sandbox calls the host's sockets of its own filtered namespace
+    (runsc --network=host there), so the same filter holds: the host's loopback, slirp's
+    gateway and the node's addresses are refused, and ``network_allow`` opens exactly
+    the address it names."""
+    from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
+    _, provider = gvisor_box
+    port, accepted = listener
+    before = len(accepted)
+    targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
+    with Sandbox(provider, SandboxSpec(image=DEFAULT_IMAGE, network=True)) as sb:
+        assert sb.info.details["isolation"] == "gvisor"
+        out = sh(sb, connect("default", targets, port))
+        assert "open" not in out and out.count("closed") == len(targets), out
+    assert len(accepted) == before
+    node = node_addresses()[0]
+    with Sandbox(provider, SandboxSpec(image=DEFAULT_IMAGE, network=True,
+                                       network_allow=[node])) as sb:
+        out = sh(sb, connect("default", [node, "10.0.2.2"], port))
+        assert out == "open %s\nclosed 10.0.2.2\n" % node, out
+    assert len(accepted) == before + 1
+
+
 def test_gvisor_refuses_the_host_image_and_says_why(gvisor_box):
     from sandman_ray.errors import ProviderError
     from conftest import new_id, run

@@ -14,6 +14,9 @@ Usage::
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
                 [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
+                [--oom-counter FILE]    (the sandbox's cgroup OOM kill count: v2
+                                         memory.events or v1 memory.oom_control; else
+                                         the first of OOM_COUNTERS that can be read)
 
 --user drops to that uid/gid once listening (the socket is handed to it too);
 --limits records the limits the launcher applied, reported by ``info``.
@@ -1211,6 +1214,25 @@ async def write_and_close(loop, fd, data):
 
 
 # --------------------------------------------------------------------------- daemon
+# Where a container (a cgroup namespace of its own) sees its memory cgroup's counters.
+OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
+
+def oom_kills(path):
+    """The OOM kill count in a cgroup's ``memory.events`` (v2) or ``memory.oom_control``
+    (v1) at ``path``; None if it cannot be read."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            for line in fh.read(4096).splitlines():
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class Daemon:
     def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S):
         self.token = token
@@ -1238,6 +1260,7 @@ class Daemon:
         self.applied_limits = {}
         self.user = None  # (uid, gid) to drop to once listening
         self.socket_mode = 0o600
+        self.oom_counter = None  # a file with the sandbox's OOM kill count, if any
         self.recv_buffer = bytearray(262144)
         self.recv_view = memoryview(self.recv_buffer)
 
@@ -1802,12 +1825,22 @@ class Daemon:
         return None
 
 
+def oom_killed_since(daemon, before):
+    """Whether the kernel's OOM killer killed a process of the sandbox since the count
+    was ``before`` (the command itself, or one of its children)."""
+    if before is None:
+        return False
+    after = oom_kills(daemon.oom_counter)
+    return after is not None and after > before
+
+
 class ExecRun:
     """One ``exec`` in flight: answers its request when the command exits."""
 
     def __init__(self, daemon, reply, out, err, grace):
         self.daemon, self.reply, self.out, self.err, self.grace = daemon, reply, out, err, grace
         self.start = time.monotonic()
+        self.ooms = oom_kills(daemon.oom_counter)
         self.pid = None
         self.readers = ()
         self.timer = None
@@ -1827,6 +1860,7 @@ class ExecRun:
         out, err = self.out, self.err
         self.reply.ok({"exit_code": code, "signal": sig, "timed_out": self.timed_out,
                        "duration_s": time.monotonic() - self.start,
+                       "oom_killed": oom_killed_since(self.daemon, self.ooms),
                        "stdout": bytes(out.data), "stderr": bytes(err.data),
                        "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
                        "truncated": out.truncated or err.truncated})
@@ -1940,6 +1974,7 @@ class Session:
     def begin(self, cmd, cap):
         """Hand ``cmd`` to the shell; returns its _SessionCommand."""
         run = self.current = _SessionCommand(self.daemon.loop, cap)
+        run.ooms = oom_kills(self.daemon.oom_counter)
         # $? on the second line is the status of the eval
         script = ("command eval %s %s\ncommand printf '%s%%d\\n' $?\n"
                   % (shell_quote(cmd), self.stdin_redirect, run.sentinel_text)).encode()
@@ -1963,6 +1998,7 @@ class Session:
 
     def result(self, run, finished, timed_out):
         return {"exit_code": run.exit_code if finished else None,
+                "oom_killed": oom_killed_since(self.daemon, run.ooms),
                 "stdout": bytes(run.out.data), "stderr": bytes(run.err.data),
                 "stdout_truncated": run.out.truncated,
                 "stderr_truncated": run.err.truncated,
@@ -2059,6 +2095,7 @@ class _SessionCommand:
         self.pending = bytearray()  # stdout held back while it may hold the sentinel
         self.exit_code = None
         self.start = time.monotonic()
+        self.ooms = None  # the sandbox's OOM kill count when it started
         self.finished = loop.create_future()
         self.on_done = None  # called with the outcome before ``finished`` is set
 
@@ -2663,7 +2700,7 @@ def parse_args(argv):
     opts = {"listen": None, "token_file": None, "token_fd": None, "workdir": None,
             "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
-            "user": None, "limits": "", "socket_mode": "0600"}
+            "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -2710,6 +2747,8 @@ def main(argv=None):
     if opts["user"]:
         uid, _, gid = opts["user"].partition(":")
         daemon.user = (int(uid), int(gid or uid))
+    counters = [opts["oom_counter"]] if opts["oom_counter"] else OOM_COUNTERS
+    daemon.oom_counter = next((c for c in counters if oom_kills(c) is not None), None)
     daemon.run(opts["listen"], ready_fd)
 
 

@@ -48,6 +48,10 @@ class ExecResult(NamedTuple):
     truncated: some output was over the cap and dropped.
     session_alive: for session commands, whether the shell survived (always True for
         one-shot commands).
+    oom_killed: the kernel's OOM killer killed a process of the sandbox while the
+        command ran (the command, or one of its children: a ``sh -c`` that survives
+        its child says exit 0 and still has this set). False where the daemon sees no
+        cgroup counter.
     """
 
     exit_code: Optional[int]
@@ -58,6 +62,7 @@ class ExecResult(NamedTuple):
     signal: Optional[int] = None
     truncated: bool = False
     session_alive: bool = True
+    oom_killed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -71,7 +76,8 @@ class ExecResult(NamedTuple):
     @classmethod
     def from_wire(cls, r: Dict[str, Any]) -> "ExecResult":
         return cls(r["exit_code"], r["stdout"], r["stderr"], r["duration_s"], r["timed_out"],
-                   r.get("signal"), r.get("truncated", False), r.get("session_alive", True))
+                   r.get("signal"), r.get("truncated", False), r.get("session_alive", True),
+                   r.get("oom_killed", False))
 
 
 @dataclass(frozen=True)

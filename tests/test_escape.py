@@ -662,6 +662,9 @@ def test_pool_defaults_stop_a_disk_filler_a_fork_bomb_and_a_memory_hog(provider,
             memory = ray.get(hog.exec.remote(
                 "dd if=/dev/zero of=/dev/null bs=200M count=1; echo rc=$?", timeout=60))
             assert memory.stdout.strip() in (b"rc=137", b"rc=1")  # killed, or refused
+            # a kill is the OOM killer's, and the result says so (the sh survived it)
+            assert memory.oom_killed == (memory.stdout.strip() == b"rc=137")
+            assert not ray.get(hog.exec.remote("true")).oom_killed
             assert ray.get(neighbour.exec.remote("echo fine")).stdout == b"fine\n"
             assert ray.get(hog.exec.remote("echo still answering")).exit_code == 0
     finally:
@@ -683,6 +686,7 @@ def test_a_containers_limits_stop_a_fork_bomb_and_a_memory_hog(docker_provider, 
         memory = hog.client.exec(["/bin/sh", "-c", "dd if=/dev/zero of=/dev/null bs=200M count=1;"
                                   " echo rc=$?"], timeout=60)
         assert memory.stdout.strip() in (b"rc=137", b"rc=1")  # killed, or refused
+        assert memory.oom_killed == (memory.stdout.strip() == b"rc=137")
         assert sh(docker_box, "echo fine") == "fine\n"
         assert hog.client.exec("echo still answering").exit_code == 0
 

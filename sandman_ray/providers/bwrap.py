@@ -105,6 +105,8 @@ exec </dev/null 6<&- 7<&-
 shift 6
 exec "$@"
 """
+# Where a sandbox sees its memory cgroup's OOM kill count (bound read-only).
+OOM_COUNTER = "/dev/.sandman-oom"
 # A sandbox's writable layer when neither its spec nor its pool sets a disk limit.
 DEFAULT_DISK = 4 * 2 ** 30
 
@@ -337,6 +339,9 @@ class SandboxProcess:
             bwrap += ["--cap-add", "CAP_" + cap]
         if seccomp_fd is not None:
             bwrap += ["--seccomp", str(seccomp_fd)]
+        counter = self.cgroups.oom_counter() if self.cgroups else None
+        if counter is not None:  # read-only, on bwrap's /dev: the daemon reports OOM kills
+            bwrap += ["--ro-bind", str(counter), OOM_COUNTER]
         workdir = self._workdir()
         bwrap.append("--clearenv")
         for key, value in sorted(self._environment().items()):
@@ -345,6 +350,8 @@ class SandboxProcess:
             "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
+        if counter is not None:
+            bwrap += ["--oom-counter", OOM_COUNTER]
         if user:
             bwrap += ["--user", user]
         net = ["--net"] if self.spec.network else []

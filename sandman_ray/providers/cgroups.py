@@ -106,6 +106,15 @@ class Cgroups:
         self.dirs.append(path)
         self.tracking.append(path)
 
+    def oom_counter(self) -> Optional[Path]:
+        """The file holding the OOM kill count of the sandbox's memory group, if it has
+        one (v2 memory.events, v1 memory.oom_control)."""
+        if self.applied.get("memory") == "cgroup-v2":
+            return self.V1 / self.group / "memory.events"
+        if self.applied.get("memory") == "cgroup-v1":
+            return self.V1 / "memory" / self.group / "memory.oom_control"
+        return None
+
     def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
         """Every group's cgroup.procs; only those that enforce limits (False), or only
         those that do not (True)."""

@@ -46,10 +46,31 @@ def test_rbac_grants_pods_and_nothing_more():
 
 
 def test_network_policy_denies_egress_and_opens_the_daemon_port():
-    (policy,) = documents("networkpolicy.yaml")
+    policy, _ = documents("networkpolicy.yaml")
     policy = client.V1NetworkPolicy.from_dict(policy)
     assert policy.spec.egress == [] and "Egress" in policy.spec.policy_types
     assert [p.port for rule in policy.spec.ingress for p in rule.ports] == [7000]
+
+
+def test_sandboxes_with_network_get_out_only_where_the_local_filter_lets_them():
+    """The policy for pods of SandboxSpec(network=True) refuses exactly the ranges the
+    LocalProvider's filter refuses, and selects the label the provider puts on them."""
+    from sandman_ray.providers.kubernetes import NETWORK_LABEL
+    from sandman_ray.providers.network import BLOCKED
+    _, policy = documents("networkpolicy.yaml")
+    policy = client.V1NetworkPolicy.from_dict(policy)
+    assert policy.spec.pod_selector.match_labels == {NETWORK_LABEL: "true"}
+    dns, public = policy.spec.egress
+    assert sorted(p.port for p in dns.ports) == [53, 53]
+    (block,) = [peer.ip_block for peer in public.to]
+    assert block.cidr == "0.0.0.0/0" and sorted(block._except) == sorted(BLOCKED)
+    pod = KubernetesProvider().bind("net")._pod(
+        "sbx-1", SandboxSpec(image="docker.io/library/debian:12", network=True), {}, "token")
+    assert pod["metadata"]["labels"][NETWORK_LABEL] == "true"
+    with pytest.raises(Exception, match="NetworkPolicies"):
+        KubernetesProvider().bind("net")._pod(
+            "sbx-2", SandboxSpec(image="docker.io/library/debian:12", network=True,
+                                 network_allow=["10.1.2.3"]), {}, "token")
 
 
 def test_pod_template_makes_valid_sandbox_pods():

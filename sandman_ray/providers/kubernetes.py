@@ -28,9 +28,14 @@ Each pod runs the task image unmodified with the daemon as its command:
 fields such as ``nodeSelector``, ``tolerations``, ``runtimeClassName`` (gVisor, Kata),
 ``serviceAccountName``, ``imagePullSecrets``; container-level entries under
 ``spec.containers[0]`` (``securityContext``, extra ``env``) merge into the sandbox
-container. A sandbox's ``network=False`` is enforced by the NetworkPolicy in
-``cluster_configs/`` (pods always have an interface); ``pids`` by the kubelet's
-``podPidsLimit``.
+container. A sandbox's network is what the NetworkPolicies in
+``cluster_configs/networkpolicy.yaml`` allow (pods always have an interface): no egress
+for ``network=False``; for ``network=True`` (pods labelled ``sandman.network=true``),
+the cluster's DNS and public addresses, none of the private, link-local, metadata or
+reserved ranges the LocalProvider's filter refuses. ``network_allow`` cannot be
+enforced per pod by the provider and is refused (a NetworkPolicy selecting the pods'
+labels opens more). ``pids`` is the kubelet's ``podPidsLimit``; ``disk`` the
+container's ``ephemeral-storage`` limit.
 
 Every client call blocks, so each runs on the provider's thread pool.
 """
@@ -56,6 +61,9 @@ from sandman_ray.spec import SandboxSpec, check_pool_name, parse_image
 logger = logging.getLogger(__name__)
 
 OWNER_LABEL = "sandman.owner"
+# "true" on the pods of SandboxSpec(network=True): what cluster_configs/networkpolicy.yaml
+# selects to let them out (to public addresses and the cluster's DNS only)
+NETWORK_LABEL = "sandman.network"
 CONTAINER = "sandbox"
 BAD_IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",
                      "ErrImageNeverPull", "CreateContainerConfigError",
@@ -318,6 +326,11 @@ class KubernetesProvider(Provider):
         if kind != "registry":
             raise fatal("image %r: the KubernetesProvider runs registry images (such as "
                         "docker.io/library/debian:12)" % spec.image)
+        if spec.network_allow:
+            raise fatal("network_allow %s: the KubernetesProvider's network is what the "
+                        "cluster's NetworkPolicies allow; write one that selects the pods "
+                        "(SandboxSpec.labels) and allows those addresses, and leave "
+                        "network_allow empty" % ", ".join(spec.network_allow))
         container: Dict[str, Any] = {
             "name": CONTAINER, "image": image, "command": ["/.sandman/bin/sandmand"],
             "args": ["--listen", "tcp:0.0.0.0:%d" % self.daemon_port],
@@ -335,12 +348,15 @@ class KubernetesProvider(Provider):
             limits["cpu"] = "%dm" % max(1, int(spec.cpu * 1000))
         if spec.memory:
             limits["memory"] = str(spec.memory)
+        if spec.disk:
+            limits["ephemeral-storage"] = str(spec.disk)
         if limits:
             container["resources"] = {"limits": limits, "requests": dict(limits)}
         pod_labels = {label_value(k) if "/" not in k else k: label_value(v)
                       for k, v in labels.items()}
         pod_labels.update({POOL_LABEL: label_value(self.pool), SANDBOX_LABEL: label_value(sandbox_id),
-                           OWNER_LABEL: label_value(self.owner)})
+                           OWNER_LABEL: label_value(self.owner),
+                           NETWORK_LABEL: "true" if spec.network else "false"})
         pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(self.pool, sandbox_id), "labels": pod_labels,

@@ -456,7 +456,8 @@ class DockerAgent:
         if self.facts is None:
             self.facts = await self._engine("ask the engine's version", engine_facts, self.engine)
         facts = self.facts
-        if self.user_namespace == "auto" and not facts.podman and not facts.userns_remap:
+        if self.user_namespace == "auto" and not facts.podman and not facts.userns_remap \
+                and self.runtime != "runsc":  # under runsc, gVisor's kernel is the boundary
             raise fatal("the Docker daemon at %s runs containers as host root: configure "
                         "userns-remap in its daemon.json, or pass "
                         "DockerProvider(user_namespace='host') for trusted code only"

@@ -32,7 +32,8 @@ container. A sandbox's network is what the NetworkPolicies in
 ``cluster_configs/networkpolicy.yaml`` allow (pods always have an interface): no egress
 for ``network=False``; for ``network=True`` (pods labelled ``sandman.network=true``),
 the cluster's DNS and public addresses, none of the private, link-local, metadata or
-reserved ranges the LocalProvider's filter refuses. ``network_allow`` cannot be
+reserved ranges the LocalProvider's filter refuses (nodes with public addresses must
+be added to the policy by hand). ``network_allow`` cannot be
 enforced per pod by the provider and is refused (a NetworkPolicy selecting the pods'
 labels opens more). ``pids`` is the kubelet's ``podPidsLimit``; ``disk`` the
 container's ``ephemeral-storage`` limit.

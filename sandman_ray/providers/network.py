@@ -21,6 +21,7 @@ import os
 import select
 import shutil
 import subprocess
+import tempfile
 import threading
 from typing import List, Optional, Sequence
 
@@ -89,26 +90,47 @@ def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = (),
     return "\n".join(lines + ["COMMIT", ""])
 
 
-def _iptables_restore() -> List[str]:
-    for name in ("iptables-legacy-restore", "iptables-restore"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    raise FileNotFoundError("iptables-restore is missing (Debian package iptables)")
+# IPv6: nothing leaves but loopback (slirp4netns and Podman's network give none; a
+# Docker bridge may)
+RULES_V6 = ("*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT DROP [0:0]\n"
+            "-A OUTPUT -o lo -j ACCEPT\nCOMMIT\n")
+# Both tables in one shell inside the namespace; a kernel without IPv6 needs no v6 rules.
+_LOAD = '"$1" && { printf "%s" "$3" | "$2" || [ ! -e /proc/net/if_inet6 ]; }'
+_lock_dir: Optional[str] = None
+
+
+def _restore_tools() -> List[str]:
+    found = []
+    for names in (("iptables-legacy-restore", "iptables-restore"),
+                  ("ip6tables-legacy-restore", "ip6tables-restore")):
+        path = next((p for p in map(shutil.which, names) if p), None)
+        if path is None:
+            raise FileNotFoundError("%s is missing (Debian package iptables)" % names[1])
+        found.append(path)
+    return found
 
 
 def load_filter(sandbox_id: str, netns: str, rules: str, userns: Optional[str] = None) -> None:
-    """Load ``rules`` into the network namespace at path ``netns``; from inside the user
-    namespace at ``userns`` when that one owns it (an agent that is not root), with
-    iptables' lock file in a directory of that user's."""
+    """Load ``rules`` (and RULES_V6) into the network namespace at path ``netns``; from
+    inside the user namespace at ``userns`` when that one owns it (an agent that is not
+    root). Refused if ``netns`` is this process's own namespace (a pid that was reused
+    after the sandbox died): the host's own filter must never be replaced."""
+    global _lock_dir
+    mine = os.stat("/proc/self/ns/net")
+    theirs = os.stat(netns)
+    if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+        raise SandboxLost("sandbox %s: %s is this host's own network namespace (the sandbox's "
+                          "process is gone): no filter loaded" % (sandbox_id, netns))
     env = None
-    if userns is not None:
-        env = dict(os.environ, XTABLES_LOCKFILE=os.path.join(
-            os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "sandman-xtables-%d.lock" % os.getuid()))
+    if userns is not None:  # iptables' lock file, where no other user can take it first
+        if _lock_dir is None:
+            _lock_dir = tempfile.mkdtemp(prefix="sandman-xtables-")
+        env = dict(os.environ, XTABLES_LOCKFILE=os.path.join(_lock_dir, "xtables.lock"))
+    v4, v6 = _restore_tools()
     done = subprocess.run(["nsenter"] + (["--user=" + userns, "--preserve-credentials"]
                                          if userns else []) +
-                          ["--net=" + netns] + _iptables_restore(),
-                          input=rules.encode(), capture_output=True, env=env)
+                          ["--net=" + netns, "/bin/sh", "-c", _LOAD, "sandman-filter", v4, v6,
+                           RULES_V6], input=rules.encode(), capture_output=True, env=env)
     if done.returncode != 0:
         raise SandboxLost("sandbox %s: its network filter did not load: %s"
                           % (sandbox_id, done.stderr.decode(errors="replace")[-500:]))

@@ -1827,7 +1827,8 @@ class Daemon:
 
 def oom_killed_since(daemon, before):
     """Whether the kernel's OOM killer killed a process of the sandbox since the count
-    was ``before`` (the command itself, or one of its children)."""
+    was ``before``: the command, one of its children, or any other process of the
+    sandbox killed meanwhile (the counter is the sandbox's, not the command's)."""
     if before is None:
         return False
     after = oom_kills(daemon.oom_counter)
@@ -2722,7 +2723,10 @@ def main(argv=None):
     if opts["token_file"]:  # read once, then removed: nothing started later finds it
         with open(opts["token_file"], "r") as fh:
             token = fh.read(4096).strip()
-        os.unlink(opts["token_file"])
+        try:
+            os.unlink(opts["token_file"])
+        except OSError:
+            pass  # a read-only mount (a secret volume): the launcher keeps it from others
     elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
         with os.fdopen(int(opts["token_fd"]), "rb") as fh:
             token = fh.read(4096).decode("ascii", "replace").strip()

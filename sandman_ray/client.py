@@ -49,9 +49,10 @@ class ExecResult(NamedTuple):
     session_alive: for session commands, whether the shell survived (always True for
         one-shot commands).
     oom_killed: the kernel's OOM killer killed a process of the sandbox while the
-        command ran (the command, or one of its children: a ``sh -c`` that survives
-        its child says exit 0 and still has this set). False where the daemon sees no
-        cgroup counter.
+        command ran: the command, one of its children (a ``sh -c`` that survives its
+        child says exit 0 and still has this set), or another process of the sandbox
+        killed meanwhile (the count is the sandbox's memory cgroup's). False where the
+        daemon sees no cgroup counter.
     """
 
     exit_code: Optional[int]

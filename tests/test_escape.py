@@ -102,7 +102,7 @@ def daemon_pid(sb) -> int:
         from sandman_ray.providers.docker import engine_client
         engine = engine_client(sb.info.details["engine"])
         return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
-    from sandman_ray.providers.bwrap import daemon_under
+    from sandbox_pids import daemon_under
     return daemon_under(sb.info.details["pid"])
 
 
@@ -586,9 +586,9 @@ def test_a_sandbox_with_network_reaches_nothing_of_the_host(request, busybox_roo
     import ray
     from sandman_ray.spec import SandboxSpec
     port, accepted = listener
+    where, location = provider_and_image(request, image, busybox_rootfs)  # Ray is up after
     gcs_port = int(ray.get_runtime_context().gcs_address.rpartition(":")[2])
     targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
-    where, location = provider_and_image(request, image, busybox_rootfs)
     images = {"default": SandboxSpec().image, "host": "host"}
     spec = SandboxSpec(image=images.get(image, location), network=True)
     shell = "busybox" if image == "docker" else image
@@ -901,10 +901,10 @@ def run_as_nobody(work: str, port: int, targets) -> dict:
         script = ("mount --bind -o ro %s %s/python && mount --bind -o ro %s %s/site && "
                   "mount --bind -o ro %s %s/repo && exec setpriv --reuid %d --regid %d "
                   "--clear-groups env -i HOME=%s PATH=/usr/sbin:/usr/bin:/sbin:/bin "
-                  "PYTHONHOME=%s/python PYTHONPATH=%s/pkgs:%s/site %s/python/%s "
+                  "PYTHONHOME=%s/python PYTHONPATH=%s/pkgs:%s/site:%s/repo/tests %s/python/%s "
                   "%s/repo/tests/unprivileged_agent.py %s %d %s" % (
                       base, mnt, site.getsitepackages()[0], mnt, ROOT, mnt, NOBODY, NOBODY,
-                      work, mnt, mnt, mnt, mnt, os.path.relpath(python, base), mnt, work,
+                      work, mnt, mnt, mnt, mnt, mnt, os.path.relpath(python, base), mnt, work,
                       port, " ".join(targets)))
         done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                script], capture_output=True, text=True, timeout=600)
@@ -942,6 +942,7 @@ def test_an_agent_that_is_not_root_holds_its_sandboxes_too(listener):
     assert "rc=0" not in out["mknod"] and "Operation not permitted" in out["mknod"]
     assert "rc=0" not in out["unshare"]
     assert "No space left on device" in out["disk"]
+    assert out["forks"] == "forked\n"  # 80 other processes of the uid do not count
     assert "can't fork" in out["fork_bomb"] or "Resource temporarily" in out["fork_bomb"]
     assert out["still"] == "still answering\n"
     assert "root:" not in out["shadow"] and "Permission denied" in out["shadow"]

@@ -8,6 +8,7 @@ each attack printed, and what the host saw.
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from sandman_ray import DaemonClient
 from sandman_ray.bundle import ensure_bundle
 from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.images import PreparedImage
-from sandman_ray.providers.bwrap import SandboxProcess, daemon_under, secure_root
+from sandman_ray.providers.bwrap import SandboxProcess, secure_root
 from sandman_ray.spec import SandboxSpec
+from sandbox_pids import daemon_under
 
 
 def sandbox(name, image, bundle, state, **spec):
@@ -41,8 +43,13 @@ def main() -> None:
     busybox = PreparedImage("dir:%s" % rootfs, rootfs)
     host = PreparedImage("host", None)
     out = {"agent_uid": os.geteuid()}
+    # more processes of the agent's uid than the sandbox's pids limit: they must not
+    # count against it
+    others = [subprocess.Popen(["sleep", "120"]) for _ in range(80)]
     box, client = sandbox("u-busybox", busybox, bundle, state, disk=32 * 2 ** 20, pids=64)
     try:
+        out["forks"] = sh(client, "for i in 1 2 3 4 5; do /bin/true || echo failed; done; "
+                                  "echo forked")
         pid = daemon_under(box.proc.pid)
         with open("/proc/%d/status" % pid) as fh:
             out["daemon_ids"] = [line.split()[1:] for line in fh
@@ -64,6 +71,9 @@ def main() -> None:
     finally:
         client.close()
         box.remove()
+        for other in others:
+            other.kill()
+            other.wait()
     box, client = sandbox("u-host", host, bundle, state)
     try:
         out["shadow"] = sh(client, "cat /etc/shadow; echo rc=$?")

@@ -39,8 +39,10 @@ detached mounts or cgroups. Its chain starts in a user namespace of its own uid 
 unmapped), which owns the sandbox's mount (and network) namespace; there the launch
 mounts the size-limited tmpfs over the state root, the overlay over the image (which
 must be the agent's own files: its caches are) and the bundle, then bwrap runs as
-that namespace's root with the same arguments. Limits are prlimit's (RLIMIT_AS,
-RLIMIT_NPROC, counted per user namespace) and the tmpfs's size.
+that namespace's root with the same arguments. Limits are prlimit's, set inside that
+namespace (RLIMIT_AS per process; RLIMIT_NPROC, which the kernel counts for the
+namespace's own processes and, above it, against the agent's own limit), and the
+tmpfs's size.
 """
 
 import asyncio
@@ -63,7 +65,7 @@ from sandman_ray.images import PreparedImage
 from sandman_ray.providers import seccomp
 from sandman_ray.providers.cgroups import Cgroups, rlimits
 from sandman_ray.providers.mounts import detached_tmpfs, detached_tree, fstab_path
-from sandman_ray.providers.network import RESOLV_CONF, SandboxNetwork
+from sandman_ray.providers.network import DNS, RESOLV_CONF, SandboxNetwork
 from sandman_ray.providers.userns import IdRange
 from sandman_ray.spec import SandboxSpec
 
@@ -94,46 +96,24 @@ exec "$@"
 """
 # The chain of an agent that is not root: in a user namespace of its uid alone, the
 # launch mounts what the agent cannot make detached (arguments: fstab, state dir,
-# bundle, view root, tmpfs size, mode of upper).
+# bundle, view root, tmpfs size, mode of upper, the image's rootfs or "", the DNS
+# server). Bundle, fstab and rootfs are opened before the tmpfs covers the view root,
+# which may hold them.
 _LAUNCH_ONE_UID = r"""[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
 exec 6<"$3" 7<"$1"
+[ -z "$7" ] || exec 8<"$7"
 mount -c -t tmpfs -o "size=$5,mode=0755,nosuid,nodev" sandman-layer "$4" || exit 98
 mkdir -p "$2/upper" "$2/work" "$2/root" "$2/bundle" && chmod "$6" "$2/upper" || exit 98
-[ -z "$SANDMAN_NET_FD" ] || echo "nameserver 10.0.2.3" > "$2/resolv.conf"
+[ -z "$SANDMAN_NET_FD" ] || echo "nameserver $8" > "$2/resolv.conf"
 mount -c -a -T /proc/self/fd/7 || exit 98
-exec </dev/null 6<&- 7<&-
-shift 6
+exec </dev/null 6<&- 7<&- 8<&-
+shift 8
 exec "$@"
 """
 # Where a sandbox sees its memory cgroup's OOM kill count (bound read-only).
 OOM_COUNTER = "/dev/.sandman-oom"
 # A sandbox's writable layer when neither its spec nor its pool sets a disk limit.
 DEFAULT_DISK = 4 * 2 ** 30
-
-
-def daemon_under(chain_pid: int) -> int:
-    """The host pid of the daemon (PID 1 inside) that the launch chain ``chain_pid``
-    started: the descendant whose command line names sandmand."""
-    from sandman_ray.daemon.sandmand import descendants
-    for pid in sorted(descendants(chain_pid)):
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                cmdline = fh.read()
-        except OSError:
-            continue
-        if b"sandmand" in cmdline and not cmdline.startswith(b"bwrap"):
-            return pid
-    raise SandboxLost("no daemon runs under pid %d" % chain_pid)
-
-
-def _option_path(path: Path) -> str:
-    """``path`` as a mount option's value (overlay's lowerdir), where a comma or a
-    colon would split it."""
-    text = str(path)
-    if any(c in text for c in ",:\\ \t\n"):
-        raise ProviderError("image path %r cannot be an overlay layer (it holds a comma, "
-                            "colon, backslash or space)" % text, "fatal")
-    return text
 
 
 def _high(fd: int) -> int:
@@ -357,12 +337,15 @@ class SandboxProcess:
         net = ["--net"] if self.spec.network else []
         if self.unprivileged:
             upper_mode = "1777" if self.image.rootfs is None else "0755"
-            return (rlimits(self.spec, self.applied, nproc=True) +
-                    ["unshare", "--user", "--map-root-user", "--mount"] + net +
+            # the rlimits inside the new user namespace: RLIMIT_NPROC set before it would
+            # also cap, at the level above, every process of the agent's uid
+            return (["unshare", "--user", "--map-root-user", "--mount"] + net +
                     ["--propagation", "private", "/bin/sh", "-c", _LAUNCH_ONE_UID,
                      "sandman-launch", str(self.state_dir / "fstab"), str(self.state_dir),
                      str(self.bundle), str(self.view_root),
-                     str(self.spec.disk or DEFAULT_DISK), upper_mode] + bwrap)
+                     str(self.spec.disk or DEFAULT_DISK), upper_mode,
+                     str(self.image.rootfs or ""), DNS] +
+                    rlimits(self.spec, self.applied, nproc=True) + bwrap)
         return (rlimits(self.spec, self.applied) +
                 ["unshare", "--mount"] + net +
                 ["--propagation", "private", "/bin/sh", "-c", _LAUNCH,
@@ -491,12 +474,11 @@ class SandboxProcess:
     def _fstab(self, mounts: Dict[str, int]) -> str:
         """What the launch attaches, in order (``mount -a -T``)."""
         st = fstab_path(self.state_dir)
-        if self.unprivileged:  # the layer is mounted by then; the image by its path
+        if self.unprivileged:  # the layer is mounted by then; the image is fd 8
             lines = []
             if self.image.rootfs is not None:
-                lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=%s,upperdir=%s/upper,"
-                             "workdir=%s/work 0 0" % (st, _option_path(self.image.rootfs),
-                                                      st, st))
+                lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=/proc/self/fd/8,"
+                             "upperdir=%s/upper,workdir=%s/work 0 0" % (st, st, st))
         else:
             lines = ["/proc/self/fd/%d %s none bind 0 0" % (mounts["layer"],
                                                            fstab_path(self.view_root))]

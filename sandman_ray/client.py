@@ -1,4 +1,5 @@
-"""Client of the sandbox daemon (``daemon/sandmand.py``, protocol in ``docs/protocol.md``).
+"""Client of the sandbox daemon (``daemon/sandmand.py``; its protocol is
+``daemon/docs/protocol.md``).
 
 Every operation is written once, as a *plan*: a generator that yields the requests it
 needs and receives their results. ``DaemonClient`` drives plans over a blocking socket

@@ -111,7 +111,7 @@ def test_a_group_without_limits_that_cannot_be_joined_does_not_stop_the_sandbox(
     fake = tmp_path / "cgroup"
     refusing = fake / "pids" / "sandman-test" / "sbx"
     (refusing / "cgroup.procs").mkdir(parents=True)  # writing a pid into it fails
-    monkeypatch.setattr(Cgroups, "V1", fake)
+    monkeypatch.setattr(Cgroups, "ROOT", fake)
     image = PreparedImage("dir:%s" % busybox_rootfs, busybox_rootfs)
     sandbox = SandboxProcess("sbx", image, bundle, tmp_path / "state",
                              SandboxSpec(image=image.image), cgroup_group="sandman-test/sbx")

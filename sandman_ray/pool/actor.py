@@ -302,7 +302,7 @@ class PoolActor:
             if not waiter.future.done():
                 waiter.future.set_exception(AcquireTimeout("pool %s is shutting down" % self.name))
         recs = list(self.records.values())
-        await asyncio.gather(*(self._delete(r, "pool shutdown", wait=True) for r in recs),
+        await asyncio.gather(*(self._delete(r, "pool shutdown") for r in recs),
                              return_exceptions=True)
         if hasattr(self.provider, "shutdown"):
             await self.provider.shutdown()
@@ -342,7 +342,7 @@ class PoolActor:
                     break
                 rec = recs.pop(0)
                 lease = Lease(waiter.lease_id, rec.sandbox_id, rec.info.address, rec.info.token,
-                              rec.info.node_id, self.name, rec.spec)
+                              rec.info.node_id, self.name)
                 rec.lease, rec.client, rec.handle = lease, waiter.client, waiter.handle
                 rec.handle_seen, rec.registered_at = False, 0.0
                 rec.leased_at = rec.last_used = time.monotonic()
@@ -514,7 +514,7 @@ class PoolActor:
         if self._begin_delete(rec, reason):
             asyncio.get_running_loop().create_task(self._finish_delete(rec, reason))
 
-    async def _delete(self, rec: Sandbox, reason: str, wait: bool = False) -> None:
+    async def _delete(self, rec: Sandbox, reason: str) -> None:
         if self._begin_delete(rec, reason):
             await self._finish_delete(rec, reason)
 
@@ -557,7 +557,7 @@ class PoolActor:
         return rec if rec is not None and rec.state is State.LEASED else None
 
     def _to(self, rec: Sandbox, state: State, reason: str = "") -> None:
-        rec.to(state, reason)
+        rec.to(state)
         self._event(rec, state.value, reason)
 
     def _event(self, rec: Sandbox, what: str, reason: str = "") -> None:
@@ -693,7 +693,7 @@ class PoolActor:
                 alive = record["handle"] in names if record["handle"] else \
                     age < self.config.lease_grace_s
                 rec.lease = Lease(record["lease_id"], info.sandbox_id, info.address, info.token,
-                                  info.node_id, self.name, spec)
+                                  info.node_id, self.name)
                 rec.client, rec.handle = record["client"], record["handle"]
                 rec.leased_at = rec.last_used = now - age
                 rec.state = State.LEASED

@@ -15,7 +15,6 @@ class AdaptiveTokenBucket:
         self.burst = float(burst)
         self.tokens = float(burst)
         self.stamp = time.monotonic()
-        self.backoffs = 0
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -37,7 +36,6 @@ class AdaptiveTokenBucket:
     def back_off(self) -> None:
         self.rate = max(self.min_rate, self.rate / 2)
         self.tokens = min(self.tokens, 0.0)
-        self.backoffs += 1
 
     def succeeded(self) -> None:
         self.rate = min(self.max_rate, self.rate * 1.1)

@@ -40,8 +40,6 @@ _NEXT = {
 }
 # States in which a sandbox counts towards what the pool will soon have for its spec.
 COMING = {State.REQUESTED, State.CREATING, State.STARTING, State.RESETTING}
-# States in which a sandbox exists (or may) at the provider.
-HELD = set(State) - {State.GONE}
 
 
 class EndedLeases(collections.OrderedDict):
@@ -72,7 +70,6 @@ class Lease:
     token: str
     node_id: Optional[str]
     pool: str
-    spec: SandboxSpec
 
 
 @dataclass
@@ -92,17 +89,14 @@ class Sandbox:
     leased_at: float = 0.0
     last_used: float = 0.0
     attempts: int = 0
-    reason: str = ""
-    history: list = field(default_factory=list)
 
-    def to(self, state: State, reason: str = "") -> None:
-        """Move to ``state``; anything but an allowed transition is a bug."""
+    def to(self, state: State) -> None:
+        """Move to ``state``; anything but an allowed transition is a bug. (Why is the
+        pool's event log's: ``PoolActor._to``.)"""
         if state is not State.FAILED and state not in _NEXT[self.state]:
             raise RuntimeError("sandbox %s: %s -> %s is not a transition"
                                % (self.sandbox_id, self.state.name, state.name))
-        self.history.append((time.time(), self.state.name, state.name, reason))
-        del self.history[:-20]
-        self.state, self.since, self.reason = state, time.monotonic(), reason
+        self.state, self.since = state, time.monotonic()
 
 
 def counts(records: Dict[str, Sandbox]) -> Dict[str, int]:

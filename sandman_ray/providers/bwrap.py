@@ -1,6 +1,6 @@
 """One bubblewrap sandbox on this host.
 
-The process chain, per sandbox (recipes measured in PLATFORM.md)::
+The process chain, per sandbox::
 
     unshare --mount --propagation private  /bin/sh -c LAUNCH          (host root)
         join the sandbox's cgroups

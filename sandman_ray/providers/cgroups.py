@@ -22,7 +22,7 @@ class Cgroups:
     bwrap. Such a group is made and joined where the host allows (``tracking``): a
     host whose cgroups look writable but refuse it still starts the sandbox."""
 
-    V1 = Path("/sys/fs/cgroup")
+    ROOT = Path("/sys/fs/cgroup")  # the v1 controllers' parent, or the v2 hierarchy
 
     def __init__(self, group: str):
         self.group = group  # e.g. sandman/<pool>-<node>-<agent incarnation>/<sandbox id>
@@ -32,15 +32,15 @@ class Cgroups:
 
     @classmethod
     def unified(cls) -> bool:
-        return (cls.V1 / "cgroup.controllers").exists()
+        return (cls.ROOT / "cgroup.controllers").exists()
 
     @classmethod
     def locations(cls, group: str) -> List[str]:
         """Where ``group`` is (or would be): one directory per v1 controller, or one in
         the v2 hierarchy."""
         if cls.unified():
-            return [str(cls.V1 / group)]
-        return [str(cls.V1 / c / group) for c in CONTROLLERS]
+            return [str(cls.ROOT / group)]
+        return [str(cls.ROOT / c / group) for c in CONTROLLERS]
 
     def create(self, spec: SandboxSpec) -> None:
         wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
@@ -52,9 +52,9 @@ class Cgroups:
     def _create_v1(self, wanted) -> None:
         for controller, value in wanted.items():
             if (value is None and controller != "pids") \
-                    or not os.access(self.V1 / controller, os.W_OK):
+                    or not os.access(self.ROOT / controller, os.W_OK):
                 continue
-            path = self.V1 / controller / self.group
+            path = self.ROOT / controller / self.group
             if value is None:  # a group that only holds the processes
                 self._track(path)
                 continue
@@ -72,7 +72,7 @@ class Cgroups:
             self.applied[controller] = "cgroup-v1"
 
     def _create_v2(self, wanted) -> None:
-        root = self.V1
+        root = self.ROOT
         if not os.access(root, os.W_OK):
             return
         available = (root / "cgroup.controllers").read_text().split()
@@ -110,9 +110,9 @@ class Cgroups:
         """The file holding the OOM kill count of the sandbox's memory group, if it has
         one (v2 memory.events, v1 memory.oom_control)."""
         if self.applied.get("memory") == "cgroup-v2":
-            return self.V1 / self.group / "memory.events"
+            return self.ROOT / self.group / "memory.events"
         if self.applied.get("memory") == "cgroup-v1":
-            return self.V1 / "memory" / self.group / "memory.oom_control"
+            return self.ROOT / "memory" / self.group / "memory.oom_control"
         return None
 
     def procs_files(self, tracking: Optional[bool] = None) -> List[str]:

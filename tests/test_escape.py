@@ -7,6 +7,7 @@ image, the ``host`` image (a read-only view of this machine) and a busybox rootf
 in a user namespace of its own; the same under gVisor; and DockerProvider containers
 of the busybox image on a Podman API service (runc) that this module starts."""
 
+import contextlib
 import os
 import shutil
 import stat
@@ -33,10 +34,16 @@ def provider(local_provider):
 @pytest.fixture(scope="module")
 def engine(provider, busybox_rootfs):
     """A Podman API service of this module's own (runc), the busybox image imported."""
+    with podman_with_busybox("podman", busybox_rootfs) as service:
+        yield service
+
+
+@contextlib.contextmanager
+def podman_with_busybox(name: str, busybox_rootfs, runtime: str = "runc"):
     from sandman_ray.providers.podman_service import PodmanService
     if shutil.which("podman") is None:
         pytest.fail("podman is missing: make test installs it (apt-get install podman)")
-    service = PodmanService(os.path.join(DOCKER_WORK, "podman")).start()
+    service = PodmanService(os.path.join(DOCKER_WORK, name), runtime=runtime).start()
     try:
         service.import_rootfs(busybox_rootfs, DOCKER_IMAGE)
         yield service
@@ -784,10 +791,7 @@ def gvisor_container(provider, busybox_rootfs):
     its own whose runtime is runsc (PodmanService(runtime="runsc"))."""
     from conftest import LOCAL_CACHE, run
     from sandman_ray.providers.docker import DockerProvider
-    from sandman_ray.providers.podman_service import PodmanService
-    service = PodmanService(os.path.join(DOCKER_WORK, "podman-runsc"), runtime="runsc").start()
-    try:
-        service.import_rootfs(busybox_rootfs, DOCKER_IMAGE)
+    with podman_with_busybox("podman-runsc", busybox_rootfs, runtime="runsc") as service:
         gvisor = DockerProvider(base_url=service.base_url, runtime="runsc",
                                 state_root=os.path.join(DOCKER_WORK, "state-runsc"),
                                 cache_root=LOCAL_CACHE).bind("runsc-%s" % uuid.uuid4().hex[:6])
@@ -796,8 +800,6 @@ def gvisor_container(provider, busybox_rootfs):
                 yield sb, gvisor
         finally:
             run(gvisor.shutdown())
-    finally:
-        service.stop()
 
 
 def test_a_container_under_gvisor_runs_the_daemon_under_its_own_kernel(gvisor_container):

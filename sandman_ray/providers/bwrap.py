@@ -382,13 +382,7 @@ class SandboxProcess:
         # The chain runs as host root until nsenter: nothing of the image's or the spec's
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
         env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
-        net_w = None
-        if self.spec.network:  # the launch says when its network namespace exists
-            self.net_fd, net_w = os.pipe()
-            net_w = _high(net_w)
-            env["SANDMAN_NET_FD"] = str(net_w)
-            self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow,
-                                          self.neighbours)
+        net_w = self._network_pipe(env)
         passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w) if fd is not None]
         lower = mounts.pop("lower", None)
         try:
@@ -405,6 +399,19 @@ class SandboxProcess:
             _close(passed + list(mounts.values()) + ([lower] if lower is not None else []))
         self.ready_fd = ready_r
         self.started_at = time.time()
+
+    def _network_pipe(self, env: Dict[str, str]) -> Optional[int]:
+        """With ``network=True``: the write end of the pipe on which the launch says its
+        network namespace exists (named in ``env`` as SANDMAN_NET_FD), and the network
+        to set up then; else None."""
+        if not self.spec.network:
+            return None
+        self.net_fd, net_w = os.pipe()
+        net_w = _high(net_w)
+        env["SANDMAN_NET_FD"] = str(net_w)
+        self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow,
+                                      self.neighbours)
+        return net_w
 
     def _listen(self) -> int:
         """The daemon's listening socket, new at every start, as a descriptor."""

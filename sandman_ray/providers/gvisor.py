@@ -42,9 +42,8 @@ from typing import List
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.bwrap import (
-    CAPABILITIES, DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, _high,
-    pipe_holding)
-from sandman_ray.providers.network import RESOLV_CONF, SandboxNetwork
+    CAPABILITIES, DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, pipe_holding)
+from sandman_ray.providers.network import RESOLV_CONF
 
 # In its private mount namespace the launch puts a small tmpfs on the run directory,
 # the one directory the sandbox writes on the host's side (arguments: run dir, uid:gid).
@@ -137,14 +136,9 @@ class GvisorProcess(SandboxProcess):
         token_r = pipe_holding(self.token.encode())
         ready_r, ready_w = os.pipe()
         env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
-        net_w = None
-        if self.spec.network:  # the launch says when its network namespace exists
+        if self.spec.network:
             (self.state_dir / "resolv.conf").write_text(RESOLV_CONF)
-            self.net_fd, net_w = os.pipe()
-            net_w = _high(net_w)
-            env["SANDMAN_NET_FD"] = str(net_w)
-            self.network = SandboxNetwork(self.sandbox_id, self.spec.network_allow,
-                                          self.neighbours)
+        net_w = self._network_pipe(env)
         try:
             self.proc = subprocess.Popen(self.argv(), env=env, stdin=token_r, stdout=ready_w,
                                          stderr=subprocess.PIPE, start_new_session=True,

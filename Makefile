@@ -36,7 +36,7 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/bin/python
 # Debian's mirror), built once into the cache that the demo and the tests use.
 BUILTIN := .cache/provider/images/builtin-debian/meta.json
 $(BUILTIN): | system-packages $(call STAMP,examples)
-	$(BIN)/python -m sandman_ray.image_builders .cache/provider
+	$(BIN)/python -m sandman_ray.images .cache/provider
 
 demo: system-packages $(call STAMP,examples) $(BUILTIN)
 	$(BIN)/python examples/rl_rollout/train.py

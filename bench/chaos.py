@@ -32,7 +32,8 @@ from ray.cluster_utils import Cluster
 import sandman_ray as sandman
 from sandman_ray.errors import SandboxLost
 from sandman_ray.providers.faults import FaultyProvider
-from sandman_ray.providers.local import LocalProvider, agent_name, leftovers
+from sandman_ray.providers.local import LocalProvider, leftovers
+from sandman_ray.providers.nodes import agent_name
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = "/tmp/sandman-ray-chaos/state"

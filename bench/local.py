@@ -143,8 +143,9 @@ def local_setup(args, user_namespaces=True, network=False, isolation="namespaces
 
 def docker_setup(args):
     """A private Podman API service with the busybox rootfs imported as an image."""
-    from sandman_ray.providers.docker import DockerProvider, engine_client
-    from sandman_ray.providers.podman_service import PodmanService
+    from sandman_ray.providers.docker import DockerProvider
+    from sandman_ray.providers.docker.engine import engine_client
+    from sandman_ray.providers.docker.podman_service import PodmanService
     service = PodmanService("/tmp/sandman-ray/bench-podman").start()
     image = args.docker_image
     if image is None:

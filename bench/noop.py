@@ -32,7 +32,7 @@ from pathlib import Path
 
 from sandman_ray import DaemonClient
 from sandman_ray.bundle import ensure_bundle
-from sandman_ray.providers.bwrap import BwrapSandbox
+from sandman_ray.providers.local.bwrap import BwrapSandbox
 
 import minimal_daemon  # bench/minimal_daemon.py
 

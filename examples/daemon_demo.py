@@ -12,7 +12,7 @@ from pathlib import Path
 from sandman_ray import DaemonClient
 from sandman_ray.bundle import bundle_size, ensure_bundle
 from sandman_ray.image_builders import build_busybox_rootfs
-from sandman_ray.providers.bwrap import BwrapSandbox
+from sandman_ray.providers.local.bwrap import BwrapSandbox
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache"
 

@@ -5,31 +5,29 @@
     sandman.create_pool("default", warm={"builtin:debian": 4})
     with sandman.sandbox() as sb:   # builtin:debian
         ray.get(sb.exec.remote("echo hi"))
+
+The names below are imported on first use (``sandman_ray._lazy``): importing one
+module of the package does not load Ray.
 """
 
-from sandman_ray.api import (
-    acquire, acquire_async, create_pool, get_pool, release, release_async, sandbox,
-    shutdown_pool)
-from sandman_ray.client import (
-    AsyncDaemonClient, DaemonClient, ExecResult, FileStat, ProcessOutput, ProcessStatus)
-from sandman_ray.errors import (
-    AcquireTimeout, AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout,
-    LeaseEnded, LeaseNotHeld, ProtocolError, ProviderError, ResultTooLarge, SandboxLost,
-    SandmanError)
-from sandman_ray.providers.docker import DockerProvider
-from sandman_ray.providers.kubernetes import KubernetesProvider
-from sandman_ray.providers.local import LocalProvider
-from sandman_ray.handle import SandboxHandle
-from sandman_ray.spec import PoolConfig, SandboxSpec
+from sandman_ray._lazy import exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AcquireTimeout", "AsyncDaemonClient", "AuthError", "CallTimeout", "ConnectionLost",
-    "DaemonClient", "DaemonError", "DockerProvider", "ExecResult", "ExecTimeout", "FileStat",
-    "KubernetesProvider", "LeaseEnded", "LeaseNotHeld", "LocalProvider",
-    "PoolConfig", "ProcessOutput", "ProcessStatus", "ProtocolError", "ProviderError",
-    "ResultTooLarge",
-    "SandboxHandle", "SandboxLost", "SandboxSpec", "SandmanError", "acquire", "acquire_async", "create_pool",
-    "get_pool", "release", "release_async", "sandbox", "shutdown_pool",
-]
+_EXPORTS = {
+    "sandman_ray.api": ("acquire", "acquire_async", "create_pool", "get_pool", "release",
+                        "release_async", "sandbox", "shutdown_pool"),
+    "sandman_ray.client": ("AsyncDaemonClient", "DaemonClient", "ExecResult", "FileStat",
+                           "ProcessOutput", "ProcessStatus"),
+    "sandman_ray.errors": ("AcquireTimeout", "AuthError", "CallTimeout", "ConnectionLost",
+                           "DaemonError", "ExecTimeout", "LeaseEnded", "LeaseNotHeld",
+                           "ProtocolError", "ProviderError", "ResultTooLarge", "SandboxLost",
+                           "SandmanError"),
+    "sandman_ray.providers.docker": ("DockerProvider",),
+    "sandman_ray.providers.kubernetes": ("KubernetesProvider",),
+    "sandman_ray.providers.local": ("LocalProvider",),
+    "sandman_ray.handle": ("SandboxHandle",),
+    "sandman_ray.spec": ("PoolConfig", "SandboxSpec"),
+}
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

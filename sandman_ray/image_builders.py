@@ -14,7 +14,8 @@ import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from sandman_ray.images import MOUNT_POINTS
+# Mount points a sandbox binds over; a read-only lower layer gets them at unpack time.
+MOUNT_POINTS = (".sandman", "run/sandman", "proc", "dev", "tmp", "sys")
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 Layer = Dict[str, bytes]  # extra layer: member name -> content (".wh.x" names whiteout)
@@ -175,22 +176,3 @@ BUILTIN_PACKAGES = {"debian": ("python3",)}
 def build_builtin(name: str, dest: Path) -> Path:
     """The rootfs of ``builtin:<name>`` at ``dest`` (built once, ~40 s)."""
     return build_debian_rootfs(dest, include=BUILTIN_PACKAGES[name])
-
-
-def main(argv=None) -> int:
-    """``python -m sandman_ray.image_builders CACHE_ROOT``: build the built-in images
-    into a LocalProvider cache root ahead of their first use (``make`` does)."""
-    import argparse
-    from sandman_ray.images import ImageCache
-    from sandman_ray.spec import BUILTIN_IMAGES
-    parser = argparse.ArgumentParser(prog="python -m sandman_ray.image_builders")
-    parser.add_argument("cache_root", type=Path, help="a LocalProvider's cache_root")
-    args = parser.parse_args(argv)
-    cache = ImageCache(args.cache_root / "images")
-    for name in BUILTIN_IMAGES:
-        print("builtin:%s in %s" % (name, cache.prepare("builtin:" + name).rootfs))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

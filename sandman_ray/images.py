@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from sandman_ray.image_builders import MOUNT_POINTS, build_builtin
 from sandman_ray.providers.base import fatal, transient
 from sandman_ray.spec import parse_image as parse
 
 logger = logging.getLogger(__name__)
 
-# Mount points a sandbox binds over; a read-only lower layer gets them at unpack time.
-MOUNT_POINTS = (".sandman", "run/sandman", "proc", "dev", "tmp", "sys")
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,6 @@ class ImageCache:
 
     # ---- built-in images
     def _builtin(self, image: str, name: str) -> PreparedImage:
-        from sandman_ray.image_builders import build_builtin
         entry = self.root / ("builtin-" + name)
         rootfs = entry / "rootfs"
         if not (entry / "meta.json").exists():
@@ -379,3 +377,21 @@ class _locked:
     def __exit__(self, *exc):
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def main(argv=None) -> int:
+    """``python -m sandman_ray.images CACHE_ROOT``: build the built-in images
+    into a LocalProvider cache root ahead of their first use (``make`` does)."""
+    import argparse
+    from sandman_ray.spec import BUILTIN_IMAGES
+    parser = argparse.ArgumentParser(prog="python -m sandman_ray.images")
+    parser.add_argument("cache_root", type=Path, help="a LocalProvider's cache_root")
+    args = parser.parse_args(argv)
+    cache = ImageCache(args.cache_root / "images")
+    for name in BUILTIN_IMAGES:
+        print("builtin:%s in %s" % (name, cache.prepare("builtin:" + name).rootfs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

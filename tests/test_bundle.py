@@ -9,7 +9,7 @@ import pytest
 
 from sandman_ray import DaemonClient
 from sandman_ray.bundle import bundle_size
-from sandman_ray.providers.bwrap import BwrapSandbox
+from sandman_ray.providers.local.bwrap import BwrapSandbox
 from conftest import require_bwrap
 
 
@@ -104,8 +104,8 @@ def test_a_group_without_limits_that_cannot_be_joined_does_not_stop_the_sandbox(
     with a cgroup namespace of its own, say), a sandbox without limits still starts:
     the group that only tracks its processes is joined where the host allows."""
     from sandman_ray.images import PreparedImage
-    from sandman_ray.providers.bwrap import SandboxProcess
-    from sandman_ray.providers.cgroups import Cgroups
+    from sandman_ray.providers.local.bwrap import SandboxProcess
+    from sandman_ray.providers.local.cgroups import Cgroups
     from sandman_ray.spec import SandboxSpec
     require_bwrap()
     fake = tmp_path / "cgroup"

@@ -55,7 +55,7 @@ def test_network_policy_denies_egress_and_opens_the_daemon_port():
 def test_sandboxes_with_network_get_out_only_where_the_local_filter_lets_them():
     """The policy for pods of SandboxSpec(network=True) refuses exactly the ranges the
     LocalProvider's filter refuses, and selects the label the provider puts on them."""
-    from sandman_ray.providers.kubernetes import NETWORK_LABEL
+    from sandman_ray.providers.kubernetes.provider import NETWORK_LABEL
     from sandman_ray.providers.network import BLOCKED
     _, policy = documents("networkpolicy.yaml")
     policy = client.V1NetworkPolicy.from_dict(policy)

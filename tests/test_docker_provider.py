@@ -21,9 +21,10 @@ import sandman_ray as sandman
 from sandman_ray import DaemonClient, ProviderError
 from sandman_ray.image_builders import write_oci_layout
 from sandman_ray.providers.base import POOL_LABEL
-from sandman_ray.providers.docker import (
-    DockerProvider, engine_client, engine_error, list_containers, pull_error)
-from sandman_ray.providers.podman_service import PodmanError, PodmanService
+from sandman_ray.providers.docker import DockerProvider
+from sandman_ray.providers.docker.engine import (
+    engine_client, engine_error, list_containers, pull_error)
+from sandman_ray.providers.docker.podman_service import PodmanError, PodmanService
 from sandman_ray.spec import SandboxSpec
 from conftest import (
     ROOT, exercise_handle, free_port, holding_driver, unique_pool, wait_until)

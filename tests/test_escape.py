@@ -40,7 +40,7 @@ def engine(provider, busybox_rootfs):
 
 @contextlib.contextmanager
 def podman_with_busybox(name: str, busybox_rootfs, runtime: str = "runc"):
-    from sandman_ray.providers.podman_service import PodmanService
+    from sandman_ray.providers.docker.podman_service import PodmanService
     if shutil.which("podman") is None:
         pytest.fail("podman is missing: make test installs it (apt-get install podman)")
     service = PodmanService(os.path.join(DOCKER_WORK, name), runtime=runtime).start()
@@ -106,7 +106,7 @@ def daemon_pid(sb) -> int:
     """The host pid of the sandbox's daemon (PID 1 inside): its container's first
     process, or the descendant of its launch chain whose command line names sandmand."""
     if "container" in sb.info.details:
-        from sandman_ray.providers.docker import engine_client
+        from sandman_ray.providers.docker.engine import engine_client
         engine = engine_client(sb.info.details["engine"])
         return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
     from sandbox_pids import daemon_under
@@ -272,7 +272,7 @@ def test_the_token_is_not_in_the_daemons_environment(box):
                  "cat /run/sandman/* 2>/dev/null")
     assert sb.info.token not in out
     if sb.kind == "docker":
-        from sandman_ray.providers.docker import engine_client
+        from sandman_ray.providers.docker.engine import engine_client
         engine = engine_client(sb.info.details["engine"])
         assert sb.info.token not in repr(engine.api.inspect_container(
             sb.info.details["container"]))

@@ -16,7 +16,8 @@ import ray
 
 import sandman_ray as sandman
 from sandman_ray import DaemonClient, ProviderError
-from sandman_ray.providers.kubernetes import KubernetesProvider, label_value, merge, pod_name
+from sandman_ray.providers.kubernetes.provider import (
+    KubernetesProvider, label_value, merge, pod_name)
 from sandman_ray.spec import SandboxSpec
 from conftest import free_port, holding_driver, unique_pool, wait_until
 from k8s_sim import SimConfig, start_process

@@ -221,7 +221,7 @@ def test_list_filters_by_label(provider, images):
 
 
 def test_sandboxes_die_with_their_agent_and_its_janitor_cleans_up(images):
-    from sandman_ray.providers.local import NAMESPACE, agent_name
+    from sandman_ray.providers.nodes import NAMESPACE, agent_name
     p = LocalProvider(state_root=STATE, cache_root=CACHE).bind("agent-death")
     sandbox_id = new_id()
     info = run(p.create(sandbox_id, SandboxSpec(image=images["dir"]), {}))

@@ -16,7 +16,7 @@ from sandman_ray import DaemonClient
 from sandman_ray.bundle import ensure_bundle
 from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.images import PreparedImage
-from sandman_ray.providers.bwrap import SandboxProcess, secure_root
+from sandman_ray.providers.local.bwrap import SandboxProcess, secure_root
 from sandman_ray.spec import SandboxSpec
 from sandbox_pids import daemon_under
 

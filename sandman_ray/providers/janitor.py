@@ -163,7 +163,7 @@ def main(argv) -> int:
 
 
 def _remove_containers_reporting(engine_url: str, label: str) -> None:
-    from sandman_ray.providers.docker import engine_client, remove_containers
+    from sandman_ray.providers.docker.engine import engine_client, remove_containers
     try:
         remove_containers(engine_client(engine_url), [label])
     except Exception as exc:

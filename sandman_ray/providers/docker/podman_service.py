@@ -125,7 +125,7 @@ class PodmanService:
 
     def _wait_answering(self, timeout_s: float) -> None:
         import requests.exceptions
-        from sandman_ray.providers.docker import engine_client
+        from sandman_ray.providers.docker.engine import engine_client
         engine = engine_client(self.base_url)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -15,7 +15,7 @@ The process chain, per sandbox::
           bwrap --bind ROOT / --ro-bind BUNDLE /.sandman
                 --unshare-pid/ipc/uts/cgroup[/net] --as-pid-1 --die-with-parent
                 --ro-bind /proc/sys /proc/sys --cap-drop ALL --cap-add (a container's
-                default set) --seccomp FD (providers/seccomp.py) ...
+                default set) --seccomp FD (providers/local/seccomp.py) ...
             /.sandman/bin/sandmand --listen fd:N ...                    (PID 1 inside)
 
 The daemon's socket (state_dir/sock, root's, 0600) is bound and listened on by the
@@ -62,8 +62,8 @@ from typing import Dict, List, Optional
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
-from sandman_ray.providers import seccomp
-from sandman_ray.providers.cgroups import Cgroups, rlimits
+from sandman_ray.providers.local import seccomp
+from sandman_ray.providers.local.cgroups import Cgroups, rlimits
 from sandman_ray.providers.mounts import detached_tmpfs, detached_tree, fstab_path
 from sandman_ray.providers.network import DNS, RESOLV_CONF, SandboxNetwork
 from sandman_ray.providers.userns import IdRange

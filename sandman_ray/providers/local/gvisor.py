@@ -41,7 +41,7 @@ from typing import List
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
-from sandman_ray.providers.bwrap import (
+from sandman_ray.providers.local.bwrap import (
     CAPABILITIES, DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, pipe_holding)
 from sandman_ray.providers.network import RESOLV_CONF
 

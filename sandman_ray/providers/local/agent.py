@@ -1,11 +1,6 @@
-"""LocalProvider: bubblewrap sandboxes on every node of a Ray cluster.
-
-One ``NodeAgent`` actor per pool and node (detached, named
-``sandman:agent:<pool>:<node id>`` in the ``sandman`` namespace, ``num_cpus=0``, pinned
-to its node) starts and supervises that node's sandboxes (``providers/bwrap.py``).
-Sandboxes die with their agent: when Ray stops on a node, nothing is left running, and
-the next agent of that pool and node removes whatever state the last one left.
-"""
+"""NodeAgent: the actor that starts, resets and deletes one pool's sandboxes on one
+node (bubblewrap, ``providers/local/bwrap.py``, or gVisor, ``providers/local/gvisor.py``),
+and the cgroups of its incarnations."""
 
 import asyncio
 import logging
@@ -20,16 +15,12 @@ import ray
 
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.providers.base import Provider, SandboxInfo, fatal, transient
-from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, SingleFlight, agent_name
 from sandman_ray.providers.network import ray_node_addresses
+from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
-
-DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
-DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
 # Lock files of the uid ranges that sandboxes of this host hold (providers/userns.py):
 # one place for every pool and state root, on a tmpfs that a reboot empties.
 RANGE_LOCKS = "/run/sandman-ray/id-ranges"
@@ -44,7 +35,7 @@ class NodeAgent:
                  user_namespaces: bool = True, isolation: str = "namespaces"):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
-        from sandman_ray.providers.bwrap import secure_root, view_root
+        from sandman_ray.providers.local.bwrap import secure_root, view_root
         from sandman_ray.providers.userns import Ranges, supported
         self.pool, self.node_id, self.ready_timeout_s = pool, node_id, ready_timeout_s
         self.isolation = isolation
@@ -95,7 +86,7 @@ class NodeAgent:
     def _start_janitor(self):
         """A process that cleans this agent's state once the agent is gone."""
         from sandman_ray.providers import janitor
-        from sandman_ray.providers.cgroups import Cgroups
+        from sandman_ray.providers.local.cgroups import Cgroups
         self.cgroup_dirs = Cgroups.locations(self.cgroup_parent)
         return janitor.start([str(self.state)] + self.cgroup_dirs)
 
@@ -112,8 +103,8 @@ class NodeAgent:
                                        lambda: self._create(sandbox_id, spec, labels))
 
     async def _create(self, sandbox_id, spec, labels) -> SandboxInfo:
-        from sandman_ray.providers.bwrap import SandboxProcess
-        from sandman_ray.providers.gvisor import GvisorProcess
+        from sandman_ray.providers.local.bwrap import SandboxProcess
+        from sandman_ray.providers.local.gvisor import GvisorProcess
         loop = asyncio.get_running_loop()
         try:
             image = await loop.run_in_executor(None, self.images.prepare, spec.image)
@@ -227,7 +218,7 @@ def agent_group(pool: str, node_id: str, incarnation: str) -> str:
 def agent_groups(pool: str, node_id: Optional[str] = None) -> List[str]:
     """The agents' cgroups of ``pool`` on this host (of one node's agents when given),
     in every hierarchy."""
-    from sandman_ray.providers.cgroups import Cgroups
+    from sandman_ray.providers.local.cgroups import Cgroups
     node = re.escape(node_id[:16]) if node_id else r"[0-9a-f]{16}"
     name = re.compile(re.escape(pool) + "-" + node + r"-[0-9a-f]{8}$")
     found = []
@@ -237,61 +228,3 @@ def agent_groups(pool: str, node_id: Optional[str] = None) -> List[str]:
         except OSError:
             continue
     return found
-
-
-def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list]:
-    """What of ``pool``'s sandboxes is left on this host, found without asking any actor:
-    live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
-    on their own), found by command line and in the sandboxes' cgroups; sandbox state
-    directories; and cgroups. Empty lists once a pool is shut down."""
-    from sandman_ray.providers.janitor import listed_pids, sandbox_groups, sandbox_processes
-    pool_dir = Path(state_root) / pool
-    processes = set(sandbox_processes(str(pool_dir) + "/",
-                                      unless=b"sandman_ray.providers.janitor"))
-    groups = agent_groups(pool)
-    for group in groups:
-        for leaf in sandbox_groups(group):
-            processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
-    # state_root/pool/<node>/<agent incarnation>/<sandbox id>
-    directories = [str(d) for d in pool_dir.glob("*/*/*") if d.is_dir()]
-    return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
-
-
-class LocalProvider(NodeAgentProvider):
-    """Sandboxes on the Ray nodes of this cluster, through one NodeAgent per node.
-
-    state_root: where sandboxes keep their sockets and writable layers on each node.
-    cache_root: where each node keeps its daemon bundle and unpacked images.
-    prefer_tools: unpack with umoci/skopeo when installed (else the built-in applier).
-    ready_timeout_s: how long a new sandbox's daemon may take to listen.
-    user_namespaces: give each sandbox its own user namespace, root inside mapped to an
-        unprivileged range of host ids (the default; needs the agent to run as root).
-        False, or an agent that cannot, runs sandboxes as host root with a reduced
-        capability set.
-    isolation: ``namespaces`` (bubblewrap, the default) or ``gvisor``: the same daemon
-        under gVisor's user-space kernel (``runsc``; providers/gvisor.py), a stronger
-        wall at a higher cost per system call.
-    """
-
-    supports_reset = True
-    agent_kind = "agent"
-
-    def __init__(self, state_root: str = DEFAULT_STATE_ROOT,
-                 cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
-                 ready_timeout_s: float = 30.0, user_namespaces: bool = True,
-                 isolation: str = "namespaces"):
-        super().__init__()
-        if isolation not in ("namespaces", "gvisor"):
-            raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
-                             % (isolation,))
-        self.isolation = isolation
-        self.state_root, self.cache_root = state_root, cache_root
-        self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
-        self.user_namespaces = user_namespaces
-
-    def agent_class(self):
-        return NodeAgent
-
-    def agent_args(self, node_id: str) -> tuple:
-        return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
-                self.ready_timeout_s, self.user_namespaces, self.isolation)

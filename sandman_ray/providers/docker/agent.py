@@ -1,61 +1,7 @@
-"""DockerProvider: sandboxes as containers through the Docker Engine API.
-
-Works against Docker and against Podman's compatible service (``podman system service``).
-One ``DockerAgent`` actor per pool and node (``sandman:docker-agent:<pool>:<node id>``)
-talks to that node's engine; the pool-side half is shared with the LocalProvider
-(``providers/nodes.py``). Each container runs the task image unmodified:
-
-- the daemon bundle is bind-mounted read-only at ``/.sandman`` and the daemon is the
-  entrypoint (PID 1 of the container, so it reaps zombies); the image's own entrypoint
-  and cmd are not run, its Env, WorkingDir and User are honoured by the engine;
-- the daemon listens on a unix socket in a per-sandbox host directory bind-mounted at
-  ``/run/sandman`` (``transport="unix"``, for handles on the same node), or on TCP
-  published on the node's address (``transport="tcp"``, needs ``network=True``); the
-  per-sandbox token is a file in that directory that the daemon removes once read,
-  never a label or an env var. The sandbox can write that directory, so the host
-  connects to the socket without following a symlink (``client._SocketPath``);
-- root inside is not host root (``user_namespace="auto"``): Podman gives each
-  container a range of 65536 host ids of its own (``--userns=auto``, from the
-  ``containers`` entry of /etc/subuid and /etc/subgid, read through idmapped mounts
-  with no copy of the image); Docker does so only with ``userns-remap`` in its daemon
-  configuration, and a create says so rather than run as host root;
-- ``network=True`` is Podman's slirp4netns (no host loopback, no IPv6) or Docker's
-  bridge, with the LocalProvider's filter loaded into the container's network
-  namespace before the daemon is reachable (``providers/network.py``): no host or
-  cluster address, no private, link-local or metadata range unless
-  ``SandboxSpec.network_allow`` names it. Containers get no CAP_NET_ADMIN to undo it;
-- no nested user namespaces: ``user.max_user_namespaces`` is 0 inside the container's
-  own (``userns.forbid_nested_user_namespaces``), which its root cannot raise;
-- ``runtime`` picks the OCI runtime (``runsc``: gVisor); Podman's Docker API takes
-  the runtime from its containers.conf rather than from the request, so with Podman
-  the engine's default runtime must be the one asked for (``PodmanService(runtime=)``).
-  Under runsc, root inside is root of gVisor's kernel, whose sentry runs unprivileged
-  on the host; Podman's user namespace is not added there (runsc's gofer, which serves
-  the bind mounts, would then lose access to the bundle), and files made inside stay
-  in gVisor's memory-backed overlay;
-- labels carry the pool, the sandbox id, the node and the agent's incarnation, so the
-  pool lists and reconciles by label, and whatever an agent leaves when it dies is
-  removed by its janitor (``providers/janitor.py``);
-- no network unless the spec asks (``network_mode=none``); cpu, memory and pids limits
-  from the spec; a disk limit (``storage_opt size``) where the engine's storage has
-  quotas (``disk_quota=True``: overlay on xfs with pquota, btrfs, zfs), else none;
-- an image is pulled at most once per node at a time: thirty creates of a cold image
-  wait for one pull. Pull failures say which of unknown image, refused credentials or
-  unreachable registry it was;
-- engine errors are classified for the pool's pacing: 429 throttled; 5xx, timeouts and
-  an unreachable engine transient; other 4xx fatal. Every SDK call is blocking and runs
-  on the agent's thread pool, at most ``max_engine_calls`` at once per node;
-- reset removes the container and creates it again from the same image under the same
-  name (engines offer no cheaper way back to the image's state); delete removes the
-  container with its anonymous volumes.
-
-Measured here with Podman 4.3 (runc): create 13 ms, start 63 ms, daemon listening 21 ms
-later; the daemon over the bind-mounted socket answers ``exec true`` in ~1 ms, where the
-engine's own exec takes 82-92 ms.
-"""
+"""DockerAgent: the actor that creates, resets and deletes one pool's containers on
+one node's engine (see ``providers/docker/provider.py`` for what each container is)."""
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -64,26 +10,26 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
 import ray
 
 from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, throttled, transient)
-from sandman_ray.providers.nodes import NodeAgentProvider, SingleFlight
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
+from sandman_ray.providers.docker.engine import (
+    EngineFacts, PullFailed, container_name, engine_client, engine_error, engine_facts,
+    list_containers, pull_error, remove_container, remove_containers, short_name)
+from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec, parse_image
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STATE_ROOT = "/tmp/sandman-ray/docker-state"
-DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
 NODE_LABEL = "sandman.node"
 AGENT_LABEL = "sandman.agent"   # the incarnation of the agent that created the container
 SOCKET_DIR = "/run/sandman"
 TCP_PORT = 7000                 # where the daemon listens inside the container (tcp)
 PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
-API_VERSION = "1.41"            # Docker 20.10+ and Podman 4 speak it
 IDS_PER_CONTAINER = 65536       # host ids of a container's user namespace (Podman)
 # Podman's slirp4netns: the host's loopback (10.0.2.2) and IPv6 off; the filter does the rest
 PODMAN_NETWORK = "slirp4netns:allow_host_loopback=false,enable_ipv6=false"
@@ -91,183 +37,6 @@ NO_SUBIDS = ("Podman has no subordinate ids for the user 'containers', which "
              "DockerProvider(user_namespace='auto') needs: add a line such as "
              "'containers:2147483648:1073741824' to /etc/subuid and /etc/subgid (the "
              "Makefile's set-up does), or pass user_namespace='host' for trusted code only")
-
-
-def default_engine_url() -> str:
-    return os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-
-
-def engine_client(base_url: str, pool_size: int = 10):
-    """A Docker SDK client that does not talk to the engine until it is used."""
-    try:
-        import docker
-    except ImportError as exc:  # pragma: no cover - the extra is part of the test set-up
-        raise fatal("the DockerProvider needs the docker SDK: pip install 'sandman-ray[docker]'"
-                    ) from exc
-    return docker.DockerClient(base_url=base_url, version=API_VERSION, timeout=300,
-                               max_pool_size=pool_size)
-
-
-class EngineFacts(NamedTuple):
-    """What a create needs to know of the engine, asked once per agent."""
-    podman: bool
-    default_runtime: str
-    userns_remap: bool  # Docker's daemon maps every container's root to a range
-
-
-def engine_facts(engine) -> EngineFacts:
-    version, info = engine.version(), engine.info()
-    names = [c.get("Name", "") for c in version.get("Components") or []]
-    return EngineFacts(podman=any("Podman" in name for name in names),
-                       default_runtime=info.get("DefaultRuntime") or "runc",
-                       userns_remap=any("name=userns" in option
-                                        for option in info.get("SecurityOptions") or []))
-
-
-def container_name(pool: str, sandbox_id: str) -> str:
-    """Engines allow [a-zA-Z0-9_.-]; a short hash of the pool's name keeps two pools
-    whose names differ only in other characters apart."""
-    return "sandman-%s-%s-%s" % (re.sub(r"[^a-zA-Z0-9_.-]", "-", pool)[:40],
-                                 hashlib.sha256(pool.encode()).hexdigest()[:6],
-                                 re.sub(r"[^a-zA-Z0-9_.-]", "-", sandbox_id))
-
-
-def _short(pool: str, node_id: str) -> str:
-    """A pool and node's directory name: fixed length, whatever the pool is called."""
-    return "%s-%s" % (hashlib.sha256(pool.encode()).hexdigest()[:8], node_id[:8])
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost of an exception's arguments and causes (requests wraps urllib3,
-    which wraps the socket's OSError)."""
-    seen = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        inner = exc.__cause__ or exc.__context__ or next(
-            (a for a in getattr(exc, "args", ()) if isinstance(a, BaseException)), None)
-        if inner is None:
-            return exc
-        exc = inner
-    return exc
-
-
-def engine_error(exc: BaseException, what: str) -> ProviderError:
-    """``exc`` from the SDK as a ProviderError whose kind tells the pool how to pace."""
-    import docker.errors
-    import requests.exceptions
-    if isinstance(exc, ProviderError):
-        return exc
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        reason = _root_cause(exc)
-        if isinstance(reason, PermissionError):
-            return fatal("%s: no permission to use the container engine's socket (is this "
-                         "user in the docker group?): %s" % (what, exc))
-        if isinstance(reason, FileNotFoundError):
-            return fatal("%s: no container engine listens at this address (DockerProvider's "
-                         "base_url, or $DOCKER_HOST): %s" % (what, exc))
-    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
-        return transient("%s: the container engine is unreachable or busy: %s" % (what, exc))
-    if isinstance(exc, docker.errors.APIError):
-        code = exc.status_code or 0
-        reason = exc.explanation or str(exc)
-        if code == 429:
-            return throttled("%s: the engine asks to slow down: %s" % (what, reason))
-        if code >= 500 or code == 0:
-            return transient("%s: engine error %s: %s" % (what, code, reason))
-        return fatal("%s: the engine refused it (%s): %s" % (what, code, reason))
-    if isinstance(exc, docker.errors.DockerException):
-        return transient("%s: %s" % (what, exc))
-    return fatal("%s: %s: %s" % (what, type(exc).__name__, exc))
-
-
-def _no_such_container(exc) -> bool:
-    """A NotFound, or the 500 Podman answers for a container removed meanwhile."""
-    import docker.errors
-    return isinstance(exc, docker.errors.NotFound) or (
-        isinstance(exc, docker.errors.APIError) and "no such container" in str(exc).lower())
-
-
-def list_containers(engine, labels: List[str]) -> List[dict]:
-    """The engine's containers (running or not) carrying every ``key=value`` of
-    ``labels``, as the list call reports them: one request, no inspect per container
-    (which races with removals)."""
-    return engine.api.containers(all=True, filters={"label": labels})
-
-
-def remove_container(engine, name: str) -> bool:
-    """Remove a container (running or not) with its anonymous volumes; False if there
-    was none. Podman, for a container with a user namespace, can answer 500 "device or
-    resource busy" (its shm directory) for a removal that did happen: asked again, it
-    says whether the container is gone."""
-    import docker.errors
-    try:
-        engine.api.remove_container(name, force=True, v=True)
-        return True
-    except docker.errors.APIError as exc:
-        if _no_such_container(exc):
-            return False
-        if "resource busy" not in str(exc):
-            raise
-    try:
-        engine.api.inspect_container(name)
-    except docker.errors.APIError as exc:
-        if _no_such_container(exc):
-            return True
-        raise
-    engine.api.remove_container(name, force=True, v=True)  # still there: once more
-    return True
-
-
-def remove_containers(engine, labels: List[str], keep=lambda labels: False) -> int:
-    """Remove the engine's containers carrying every ``key=value`` of ``labels``, with
-    their anonymous volumes, except those whose labels ``keep`` accepts; how many were
-    removed. One that cannot be removed (gone meanwhile, engine trouble) is logged."""
-    removed = 0
-    for container in list_containers(engine, labels):
-        if keep(container.get("Labels") or {}):
-            continue
-        try:
-            removed += remove_container(engine, container["Id"])
-        except Exception as exc:
-            logger.warning("cannot remove container %s: %s", container["Id"][:12], exc)
-    return removed
-
-
-class PullFailed(Exception):
-    """The engine's own account of a failed pull."""
-
-
-# What registries and engines say, matched on whole words (a digest or a port number
-# must not read as an HTTP status).
-_PULL_FAILURES = (
-    (r"toomanyrequests|too many requests|\b429\b", throttled,
-     "the registry of image %s asks to slow down"),
-    (r"manifest unknown|name unknown|not found|no such image|does not exist|\b404\b", fatal,
-     "image %s does not exist in its registry"),
-    (r"unauthorized|authentication required|access (to the resource )?is denied|access denied"
-     r"|forbidden|\b401\b|\b403\b", fatal,
-     "the registry refused to serve image %s (credentials?)"),
-    (r"connection refused|no such host|dial tcp|i/o timeout|tls:|network is unreachable"
-     r"|server gave http response|lookup |timeout", fatal,
-     "the registry of image %s is unreachable"),
-)
-
-
-def pull_error(image: str, exc: BaseException) -> ProviderError:
-    """A failed pull, saying which failure it was. An unknown image, refused
-    credentials or an unreachable registry are fatal: the engine already retried, and
-    every caller waiting for the image should learn why at once. A registry that asks
-    to slow down is throttled; an engine that is itself unreachable or busy, or a
-    progress stream cut off, is transient."""
-    import requests.exceptions
-    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                        requests.exceptions.ChunkedEncodingError)):
-        return transient("pull %s: the engine's answer broke off: %s" % (image, exc))
-    text = str(getattr(exc, "explanation", None) or exc)
-    for pattern, kind, message in _PULL_FAILURES:
-        if re.search(pattern, text, re.I):
-            return kind("%s: %s" % (message % image, text))
-    return engine_error(exc, "pull %s" % image)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -288,7 +57,7 @@ class DockerAgent:
         # host reaches a socket through /proc/self/fd); a directory per incarnation, so
         # the janitor of a dead agent removes its own directory, never that of the
         # agent that replaced it
-        self.state = Path(state_root) / _short(pool, node_id) / self.incarnation[:8]
+        self.state = Path(state_root) / short_name(pool, node_id) / self.incarnation[:8]
         self.engine = engine_client(base_url, pool_size=max_engine_calls + PULLS_AT_ONCE + 2)
         self.max_engine_calls = max_engine_calls
         self.executor = ThreadPoolExecutor(max_engine_calls, thread_name_prefix="engine")
@@ -738,62 +507,3 @@ def _write_token(path: Path, token: str) -> None:
         os.write(fd, token.encode())
     finally:
         os.close(fd)
-
-
-class DockerProvider(NodeAgentProvider):
-    """Sandboxes as containers of the engine on each Ray node (Docker or Podman).
-
-    base_url: the engine's API address on every node (default ``$DOCKER_HOST``, else
-        ``unix:///var/run/docker.sock``); for Podman, the socket of
-        ``podman system service``.
-    transport: ``unix`` (the daemon's socket in a bind-mounted host directory; handles
-        run on the sandbox's node) or ``tcp`` (published on the node's address, with
-        the per-sandbox token; needs ``SandboxSpec(network=True)``).
-    state_root: where each node keeps its sandboxes' socket directories.
-    cache_root: where each node keeps the daemon bundle.
-    ready_timeout_s: how long a new container's daemon may take to listen.
-    max_engine_calls: most engine API calls in flight at once per node.
-    user_namespace: ``auto`` (root inside is a range of host ids: Podman's
-        ``--userns=auto``, Docker's ``userns-remap``) or ``host`` (root inside is host
-        root: for trusted code only).
-    runtime: the OCI runtime (``runsc`` for gVisor), else the engine's default.
-    disk_quota: the engine's storage enforces ``storage_opt size`` (overlay on xfs with
-        pquota, btrfs, zfs): each sandbox's disk is limited to ``SandboxSpec.disk``.
-        Without it a container's disk is not limited.
-    """
-
-    supports_reset = True
-    agent_kind = "docker-agent"
-
-    def __init__(self, base_url: Optional[str] = None, transport: str = "unix",
-                 state_root: str = DEFAULT_STATE_ROOT, cache_root: str = DEFAULT_CACHE_ROOT,
-                 ready_timeout_s: float = 60.0, max_engine_calls: int = 16,
-                 user_namespace: str = "auto", runtime: Optional[str] = None,
-                 disk_quota: bool = False):
-        super().__init__()
-        if user_namespace not in ("auto", "host"):
-            raise ValueError("DockerProvider.user_namespace must be 'auto' or 'host', got %r"
-                             % (user_namespace,))
-        if runtime is not None and (not isinstance(runtime, str) or
-                                    not re.fullmatch(r"[A-Za-z0-9_.-]+", runtime)):
-            raise ValueError("DockerProvider.runtime must be an OCI runtime's name such as "
-                             "'runsc', got %r" % (runtime,))
-        if transport not in ("unix", "tcp"):
-            raise ValueError("DockerProvider.transport must be 'unix' or 'tcp', got %r"
-                             % (transport,))
-        if isinstance(max_engine_calls, bool) or not isinstance(max_engine_calls, int) \
-                or max_engine_calls < 1:
-            raise ValueError("DockerProvider.max_engine_calls must be a positive int, got %r"
-                             % (max_engine_calls,))
-        self.base_url = base_url or default_engine_url()
-        self.transport, self.state_root, self.cache_root = transport, state_root, cache_root
-        self.ready_timeout_s, self.max_engine_calls = ready_timeout_s, max_engine_calls
-        self.user_namespace, self.runtime, self.disk_quota = user_namespace, runtime, disk_quota
-
-    def agent_class(self):
-        return DockerAgent
-
-    def agent_args(self, node_id: str) -> tuple:
-        return (self.pool, node_id, self.base_url, self.state_root, self.cache_root,
-                self.ready_timeout_s, self.transport, self.max_engine_calls,
-                self.user_namespace, self.runtime, self.disk_quota)

@@ -1,0 +1,8 @@
+"""The LocalProvider: bubblewrap (or gVisor) sandboxes on every Ray node, started by a
+node agent per pool and node. ``provider.py`` is the pool's side, ``agent.py`` the
+agent actor, ``bwrap.py`` and ``gvisor.py`` one sandbox's launch, ``cgroups.py`` and
+``seccomp.py`` its limits and filter."""
+
+from sandman_ray._lazy import exports
+
+__getattr__, __dir__ = exports(__name__, {".provider": ("LocalProvider", "leftovers")})

@@ -1,0 +1,78 @@
+"""LocalProvider: bubblewrap sandboxes on every node of a Ray cluster.
+
+One ``NodeAgent`` actor per pool and node (detached, named
+``sandman:agent:<pool>:<node id>`` in the ``sandman`` namespace, ``num_cpus=0``, pinned
+to its node) starts and supervises that node's sandboxes (``providers/local/bwrap.py``).
+Sandboxes die with their agent: when Ray stops on a node, nothing is left running, and
+the next agent of that pool and node removes whatever state the last one left.
+"""
+
+import os
+from pathlib import Path
+from typing import Dict
+
+from sandman_ray.providers.local.agent import NodeAgent, agent_groups
+from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, agent_name
+
+__all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
+
+DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
+DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
+
+
+def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list]:
+    """What of ``pool``'s sandboxes is left on this host, found without asking any actor:
+    live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
+    on their own), found by command line and in the sandboxes' cgroups; sandbox state
+    directories; and cgroups. Empty lists once a pool is shut down."""
+    from sandman_ray.providers.janitor import listed_pids, sandbox_groups, sandbox_processes
+    pool_dir = Path(state_root) / pool
+    processes = set(sandbox_processes(str(pool_dir) + "/",
+                                      unless=b"sandman_ray.providers.janitor"))
+    groups = agent_groups(pool)
+    for group in groups:
+        for leaf in sandbox_groups(group):
+            processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
+    # state_root/pool/<node>/<agent incarnation>/<sandbox id>
+    directories = [str(d) for d in pool_dir.glob("*/*/*") if d.is_dir()]
+    return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
+
+
+class LocalProvider(NodeAgentProvider):
+    """Sandboxes on the Ray nodes of this cluster, through one NodeAgent per node.
+
+    state_root: where sandboxes keep their sockets and writable layers on each node.
+    cache_root: where each node keeps its daemon bundle and unpacked images.
+    prefer_tools: unpack with umoci/skopeo when installed (else the built-in applier).
+    ready_timeout_s: how long a new sandbox's daemon may take to listen.
+    user_namespaces: give each sandbox its own user namespace, root inside mapped to an
+        unprivileged range of host ids (the default; needs the agent to run as root).
+        False, or an agent that cannot, runs sandboxes as host root with a reduced
+        capability set.
+    isolation: ``namespaces`` (bubblewrap, the default) or ``gvisor``: the same daemon
+        under gVisor's user-space kernel (``runsc``; providers/local/gvisor.py), a stronger
+        wall at a higher cost per system call.
+    """
+
+    supports_reset = True
+    agent_kind = "agent"
+
+    def __init__(self, state_root: str = DEFAULT_STATE_ROOT,
+                 cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
+                 ready_timeout_s: float = 30.0, user_namespaces: bool = True,
+                 isolation: str = "namespaces"):
+        super().__init__()
+        if isolation not in ("namespaces", "gvisor"):
+            raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
+                             % (isolation,))
+        self.isolation = isolation
+        self.state_root, self.cache_root = state_root, cache_root
+        self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
+        self.user_namespaces = user_namespaces
+
+    def agent_class(self):
+        return NodeAgent
+
+    def agent_args(self, node_id: str) -> tuple:
+        return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
+                self.ready_timeout_s, self.user_namespaces, self.isolation)

@@ -1,0 +1,76 @@
+"""The package's modules import each other without a circle, and the janitor, a process
+of its own, loads no Ray. Read from the source (every import, at module level or in a
+function), so a circle that only bites on some code path is found too."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"sandman_ray": ROOT / "sandman_ray", "sandman_ray.daemon": ROOT / "daemon"}
+
+
+def modules():
+    """Module name -> source path of every module of the project's packages."""
+    found = {}
+    for package, base in PACKAGES.items():
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if "docs" in parts or (package == "sandman_ray" and parts[:1] == ["daemon"]):
+                continue
+            found[".".join([package] + parts)] = path
+    return found
+
+
+def imports(name, path, known):
+    """The project modules that ``name`` imports."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # "from package import module" names the module; otherwise the module itself
+            targets = [base + "." + a.name if base + "." + a.name in known else base
+                       for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in known and t != name)
+    return out
+
+
+def test_no_import_circles():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert len(graph) > 40 and graph["sandman_ray.api"], "the reader found the project"
+    circles, state = [], {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(trail[trail.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == [], "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_janitor_loads_no_ray():
+    """Started by each node agent as a process of its own, for every provider's sandboxes:
+    it must start fast and must not depend on Ray's state."""
+    code = ("import sys, sandman_ray.providers.janitor as j, sandman_ray.providers.docker.engine;"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

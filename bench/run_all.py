@@ -300,8 +300,10 @@ def clients_burst(script: str, address: str, target: str, image: str, n: int,
                 p.kill()
 
 
-STAGES = (("queued", "requested", "creating"), ("created", "creating", "starting"),
-          ("started", "starting", "ready"), ("ready -> lent", "ready", "leased"))
+# "started": when the provider started the sandbox (its SandboxInfo.created_at); from
+# there to "ready" its daemon came up and answered
+STAGES = (("queued", "requested", "creating"), ("created", "creating", "started"),
+          ("started", "started", "ready"), ("ready -> lent", "ready", "leased"))
 
 
 def stages(pool: str, start: float, usable: List[tuple]) -> Dict[str, float]:

@@ -12,7 +12,8 @@ import ray
 
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import HandleHost, SandboxHandle
-from sandman_ray.pool.actor import NAMESPACE, PoolActor, handle_name_prefix, pool_actor_name
+from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
+from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
@@ -42,6 +43,9 @@ def create_pool(name: str = "default", provider=None, *, warm=None, **config):
     """Create the pool ``name`` (or return it if it exists): a detached actor that
     outlives this driver. ``config`` takes the fields of ``PoolConfig``."""
     check_pool_name(name)
+    if provider is None:
+        from sandman_ray.providers.local import LocalProvider
+        provider = LocalProvider()
     cfg = PoolConfig(provider=provider, warm=dict(warm or {}), **config)
     head = _head_node()
     # worker nodes come and go (autoscaling, failures); the head stays
@@ -120,7 +124,7 @@ def _host(node_id: Optional[str]):
     with _hosts_lock:
         host = _hosts.get(key)
         if host is None:
-            name = "%s%s-%s" % (handle_name_prefix(), ray.get_runtime_context().get_worker_id()[:12],
+            name = "%s%s-%s" % (HOST_PREFIX, ray.get_runtime_context().get_worker_id()[:12],
                                 uuid.uuid4().hex[:6])
             options = {"name": name, "namespace": NAMESPACE}
             if node_id:  # when the node dies, Ray restarts the host elsewhere to say SandboxLost

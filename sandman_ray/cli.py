@@ -127,10 +127,10 @@ def cmd_list(args) -> int:
         return 0
     print(_table([[r["pool"], r["sandbox_id"], r["state"], r["image"],
                    (r["node_id"] or "-")[:12], _age(r["age_s"]), r["client"] or "-",
-                   r["handle"] or "-"]
+                   r["holder"] or "-"]
                   for r in sorted(rows, key=lambda r: (r["pool"], r["sandbox_id"]))],
                  ["pool", "sandbox", "state", "image", "node", "in state", "lease owner",
-                  "handle"]))
+                  "host"]))
     return 0
 
 

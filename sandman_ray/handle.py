@@ -104,7 +104,7 @@ class _HandleHost:
                     pool = ray.get_actor(entry["name"], namespace=NAMESPACE)
                 except ValueError:  # shut down meanwhile
                     continue
-                pool.handle_restarted.remote(self.name)
+                pool.host_restarted.remote(self.name)
 
     def _pool(self, pool: str):
         handle = self.pools.get(pool)

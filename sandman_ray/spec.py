@@ -191,6 +191,21 @@ class SandboxSpec:
         for key, value in state.items():
             object.__setattr__(self, key, value)
 
+    def to_dict(self) -> Dict[str, object]:
+        """The spec as plain JSON values; ``from_dict`` makes it again."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["env"], out["labels"] = dict(self.env), dict(self.labels)
+        out["network_allow"] = list(self.network_allow)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, object]) -> "SandboxSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError("SandboxSpec has no field %s" % ", ".join(unknown))
+        return cls(**data)
+
     def key(self) -> tuple:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
         return (self.image, self.cpu, self.memory, self.pids, self.disk,

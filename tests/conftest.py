@@ -98,6 +98,34 @@ def unique_pool(provider, prefix: str, **config) -> str:
     return name
 
 
+def restart_keeps_specs(pool: str, spec) -> None:
+    """Lease a sandbox of ``spec`` from ``pool``, kill the PoolActor (Ray restarts it)
+    and check that the new one recovered the sandbox with its whole spec (limits, env,
+    TTL, labels) and that the lease still serves."""
+    import ray
+    import sandman_ray as sandman
+    actor = sandman.get_pool(pool)
+    with sandman.sandbox(spec, pool=pool, timeout=120) as sb:
+        sandbox_id = ray.get(sb.sandbox_id.remote())
+        before = ray.get(actor.status.remote())["pid"]
+        wanted = [s["spec"] for s in ray.get(actor.list_sandboxes.remote())
+                  if s["sandbox_id"] == sandbox_id]
+        ray.kill(actor, no_restart=False)
+
+        def recovered():
+            try:
+                status = ray.get(actor.status.remote(), timeout=5)
+            except (ray.exceptions.RayError, sandman.SandmanError):
+                return None  # restarting
+            if status["pid"] == before:
+                return None
+            return [s for s in ray.get(actor.list_sandboxes.remote()) if s["sandbox_id"] == sandbox_id]
+        found = wait_until(recovered, timeout=60, what="the pool to come back with the sandbox")
+        assert found[0]["state"] == "leased" and [found[0]["spec"]] == wanted
+        assert wanted[0]["env"] == dict(spec.env) and wanted[0]["ttl_s"] == spec.ttl_s
+        assert ray.get(sb.exec.remote("echo $SPEC_CHECK")).stdout == b"kept\n"
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for a server a test starts)."""
     import socket

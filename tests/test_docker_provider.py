@@ -27,7 +27,8 @@ from sandman_ray.providers.docker.engine import (
 from sandman_ray.providers.docker.podman_service import PodmanError, PodmanService
 from sandman_ray.spec import SandboxSpec
 from conftest import (
-    ROOT, exercise_handle, free_port, holding_driver, unique_pool, wait_until)
+    ROOT, exercise_handle, free_port, holding_driver, restart_keeps_specs, unique_pool,
+    wait_until)
 
 WORK = Path("/tmp/sandman-ray-test/docker")
 STATE = str(WORK / "state")
@@ -223,6 +224,15 @@ def test_reset_starts_a_fresh_container_and_create_is_idempotent(cluster, engine
         assert len(run(provider.list())) == 1
     finally:
         run(provider.shutdown())
+
+
+def test_a_restarted_pool_keeps_each_container_s_whole_spec(cluster, engine):
+    pool = make_pool(engine)
+    try:
+        restart_keeps_specs(pool, sandman.SandboxSpec(image=BUSYBOX, cpu=1, memory="256Mi", env={"SPEC_CHECK": "kept"},
+                               ttl_s=600, labels={"team": "rl"}))
+    finally:
+        sandman.shutdown_pool(pool)
 
 
 def test_delete_during_create_leaves_no_container(cluster, engine):

@@ -19,7 +19,7 @@ from sandman_ray import DaemonClient, ProviderError
 from sandman_ray.providers.kubernetes.provider import (
     KubernetesProvider, label_value, merge, pod_name)
 from sandman_ray.spec import SandboxSpec
-from conftest import free_port, holding_driver, unique_pool, wait_until
+from conftest import free_port, holding_driver, restart_keeps_specs, unique_pool, wait_until
 from k8s_sim import SimConfig, start_process
 
 IMAGE = "docker.io/library/debian:12"
@@ -127,6 +127,16 @@ def test_sandbox_pod_through_the_public_api_then_deleted(cluster, sim):
             assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running"
             assert pods[0]["metadata"]["labels"]["sandman.owner"] == "sandman-ray"
         wait_until(lambda: sim.pods(pool) == [], timeout=10, what="the released pod's deletion")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_a_restarted_pool_keeps_each_pod_s_whole_spec(cluster, sim):
+    """The spec lives in the pod's annotation: the provider has no memory of its own."""
+    pool = make_pool(sim)
+    try:
+        restart_keeps_specs(pool, sandman.SandboxSpec(image=IMAGE, cpu=1, memory="256Mi", env={"SPEC_CHECK": "kept"},
+                               ttl_s=600, labels={"team": "rl"}))
     finally:
         sandman.shutdown_pool(pool)
 

@@ -111,7 +111,7 @@ def test_dashboard_lists_the_pool_and_handles_by_name(cluster):
     pool = new_pool(warm={"host": 2})
     handles = [sandman.acquire("host", pool=pool, timeout=120) for _ in range(2)]
     try:
-        names = {r["handle"] for r in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+        names = {r["holder"] for r in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
                  if r["state"] == "leased"}
         # both leases are held by this driver's one handle host on the node
         assert len(names) == 1 and all(n.startswith("sandman:sbx:") for n in names)
@@ -183,7 +183,7 @@ def test_status_list_events_and_gc_against_a_live_pool(cluster):
 
         events = json.loads(sandman_cmd(cluster, "events", pool, "--json").stdout)
         mine = [e["state"] for e in events if e["sandbox_id"] == kept_id]
-        assert mine[-3:] == ["starting", "ready", "leased"]
+        assert mine[-3:] == ["started", "ready", "leased"]
         assert any(e["reason"].startswith("lent to") for e in events)
 
         ray.kill(holder)  # a holder that died: no live handle holds its sandbox now

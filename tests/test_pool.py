@@ -17,7 +17,8 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
 from conftest import (
-    ROOT, exercise_handle, holding_driver, require_bwrap, unique_pool, wait_until)
+    ROOT, exercise_handle, holding_driver, require_bwrap, restart_keeps_specs, unique_pool,
+    wait_until)
 
 STATE = "/tmp/sandman-ray-test/pool-state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -293,6 +294,15 @@ def test_pool_actor_restart_keeps_live_leases(cluster, image):
         wait_until(lambda: sorted(i.sandbox_id for i in provider_sandboxes(pool)) == sorted(
             s["sandbox_id"] for s in ray.get(sandman.get_pool(pool).list_sandboxes.remote())),
             timeout=30, what="the provider's inventory to match the pool's")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_a_restarted_pool_keeps_each_sandbox_s_whole_spec(cluster, image):
+    pool = make_pool()
+    try:
+        restart_keeps_specs(pool, sandman.SandboxSpec(image=image, cpu=1, memory="256Mi", env={"SPEC_CHECK": "kept"},
+                               ttl_s=600, labels={"team": "rl"}))
     finally:
         sandman.shutdown_pool(pool)
 

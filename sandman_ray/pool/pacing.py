@@ -1,6 +1,7 @@
 """Pacing of creates: a token bucket whose rate adapts to how the provider copes."""
 
 import time
+from typing import Callable
 
 
 class AdaptiveTokenBucket:
@@ -9,15 +10,17 @@ class AdaptiveTokenBucket:
     grows it back by 10 %, never above ``max_rate``: a cluster that pushes back is
     asked less, a healthy one is asked at the configured rate."""
 
-    def __init__(self, rate: float, burst: int, min_rate: float = 0.5):
+    def __init__(self, rate: float, burst: int, min_rate: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.max_rate = self.rate = float(rate)
         self.min_rate = min(min_rate, self.max_rate)
         self.burst = float(burst)
         self.tokens = float(burst)
-        self.stamp = time.monotonic()
+        self.stamp = clock()
 
     def _refill(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
 

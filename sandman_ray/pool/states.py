@@ -1,22 +1,21 @@
 """Sandbox states in a pool and the only transitions allowed between them.
 
-REQUESTED -> CREATING -> STARTING -> READY -> LEASED -> RELEASING
-          -> (RESETTING -> READY | DELETING) -> GONE, and FAILED from any state.
+REQUESTED -> CREATING -> READY -> LEASED -> RELEASING -> (RESETTING -> READY | DELETING)
+-> GONE, and FAILED from any state. A provider's create and reset return a sandbox whose
+daemon answers, so READY follows CREATING and RESETTING directly.
 """
 
 import collections
 import enum
-import time
-from dataclasses import dataclass, field
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from sandman_ray.spec import SandboxSpec
 
 
 class State(enum.Enum):
     REQUESTED = "requested"    # wanted; waiting for a create token and a start slot
-    CREATING = "creating"      # provider.create in flight
-    STARTING = "starting"      # created; waiting for the daemon to answer ping + exec
+    CREATING = "creating"      # provider.create in flight (until the daemon answers)
     READY = "ready"            # answers; in the warm set, free to lease
     LEASED = "leased"          # held by one lease (a handle of one client)
     RELEASING = "releasing"    # the lease ended; reset or delete comes next
@@ -28,18 +27,19 @@ class State(enum.Enum):
 
 _NEXT = {
     State.REQUESTED: {State.CREATING},
-    State.CREATING: {State.STARTING, State.CREATING},
-    State.STARTING: {State.READY, State.CREATING},  # CREATING: a retry of a failed start
-    State.READY: {State.LEASED, State.DELETING, State.STARTING},
+    State.CREATING: {State.READY},
+    State.READY: {State.LEASED, State.DELETING},
     State.LEASED: {State.RELEASING},
     State.RELEASING: {State.RESETTING, State.DELETING},
-    State.RESETTING: {State.READY, State.STARTING},
+    State.RESETTING: {State.READY},
     State.DELETING: {State.GONE},
     State.FAILED: {State.DELETING},
     State.GONE: set(),
 }
 # States in which a sandbox counts towards what the pool will soon have for its spec.
-COMING = {State.REQUESTED, State.CREATING, State.STARTING, State.RESETTING}
+COMING = frozenset({State.REQUESTED, State.CREATING, State.RESETTING})
+# ... and with READY, what it has or will soon have.
+SUPPLY = COMING | {State.READY}
 
 
 class EndedLeases(collections.OrderedDict):
@@ -79,28 +79,21 @@ class Sandbox:
     sandbox_id: str
     spec: SandboxSpec
     state: State = State.REQUESTED
-    since: float = field(default_factory=time.monotonic)
+    since: float = 0.0             # when it entered its state (the pool's clock)
     info: object = None            # SandboxInfo once created
     lease: Optional[Lease] = None
     client: Optional[str] = None
-    handle: Optional[str] = None   # the actor name of the handle holding the lease
-    handle_seen: bool = False      # that actor has been seen alive (else: the grace runs)
-    registered_at: float = 0.0     # when a handle registered the lease (monotonic)
+    holder: Optional[str] = None   # the actor name of the handle host holding the lease
+    holder_seen: bool = False      # that host has been seen alive (else: the grace runs)
+    registered_at: float = 0.0     # when a host registered the lease (the pool's clock)
     leased_at: float = 0.0
     last_used: float = 0.0
     attempts: int = 0
 
-    def to(self, state: State) -> None:
+    def to(self, state: State, now: float) -> None:
         """Move to ``state``; anything but an allowed transition is a bug. (Why is the
-        pool's event log's: ``PoolActor._to``.)"""
+        pool's event log's: ``Reconciler._to``.)"""
         if state is not State.FAILED and state not in _NEXT[self.state]:
             raise RuntimeError("sandbox %s: %s -> %s is not a transition"
                                % (self.sandbox_id, self.state.name, state.name))
-        self.state, self.since = state, time.monotonic()
-
-
-def counts(records: Dict[str, Sandbox]) -> Dict[str, int]:
-    out = {s.value: 0 for s in State}
-    for rec in records.values():
-        out[rec.state.value] += 1
-    return out
+        self.state, self.since = state, now

@@ -2,7 +2,7 @@
 
 import collections
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, Optional
+from typing import Deque, Dict, Iterator, List, Optional
 
 from sandman_ray.spec import SandboxSpec
 
@@ -15,44 +15,56 @@ class Waiter:
     lease_id: str
     deadline: float
     enqueued: float = 0.0
-    handle: Optional[str] = None  # the actor name that will hold the lease
+    holder: Optional[str] = None  # the host actor's name that will hold the lease
+    holder_node: Optional[str] = None  # the node that host runs on
 
 
 @dataclass
 class FairQueue:
     """FIFO per client; clients take turns. A client's burst of 200 requests waits
-    behind one request of every other client, not in front of them."""
+    behind one request of every other client, not in front of them. The number
+    waiting per spec is kept, not counted."""
 
     queues: Dict[str, Deque[Waiter]] = field(default_factory=dict)
     turn: Deque[str] = field(default_factory=collections.deque)
+    per_spec: collections.Counter = field(default_factory=collections.Counter)
 
     def push(self, waiter: Waiter) -> None:
         if waiter.client not in self.queues:
             self.queues[waiter.client] = collections.deque()
             self.turn.append(waiter.client)
         self.queues[waiter.client].append(waiter)
+        self.per_spec[waiter.spec] += 1
 
     def remove(self, waiter: Waiter) -> None:
         queue = self.queues.get(waiter.client)
         if queue is not None and waiter in queue:
             queue.remove(waiter)
-            self._drop_if_empty(waiter.client)
+            self._removed(waiter)
 
-    def _drop_if_empty(self, client: str) -> None:
-        if not self.queues[client]:
-            del self.queues[client]
-            self.turn.remove(client)
+    def _removed(self, waiter: Waiter) -> None:
+        self.per_spec[waiter.spec] -= 1
+        if self.per_spec[waiter.spec] <= 0:
+            del self.per_spec[waiter.spec]
+        if not self.queues[waiter.client]:
+            del self.queues[waiter.client]
+            self.turn.remove(waiter.client)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(self.per_spec.values())
 
     def waiting(self) -> Iterator[Waiter]:
         for queue in self.queues.values():
             yield from queue
 
+    def of(self, client: str) -> List[Waiter]:
+        return list(self.queues.get(client, ()))
+
     def next_for(self, spec: SandboxSpec, allowed) -> Optional[Waiter]:
         """Pop the first waiter for ``spec``, taking clients in turn; ``allowed(client)``
         says whether a client may get one more (its quota)."""
+        if not self.per_spec.get(spec):
+            return None
         for _ in range(len(self.turn)):
             client = self.turn[0]
             self.turn.rotate(-1)
@@ -60,8 +72,8 @@ class FairQueue:
                 continue
             queue = self.queues[client]
             for waiter in queue:
-                if waiter.spec == spec and not waiter.future.done():
+                if waiter.spec == spec:
                     queue.remove(waiter)
-                    self._drop_if_empty(client)
+                    self._removed(waiter)
                     return waiter
         return None

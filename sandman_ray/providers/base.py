@@ -1,4 +1,5 @@
-"""The provider interface the pool uses: create, delete, list by label, locate, reset.
+"""The provider interface: every call the pool makes of the provider that runs its
+sandboxes (bind, create, reset, delete, list, shutdown, close).
 
 A provider owns the side effects (processes, containers, pods); the pool owns the
 decisions. Every failure a provider raises is a ``ProviderError`` whose ``kind`` says
@@ -10,8 +11,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from sandman_ray.errors import ProviderError
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.errors import ProviderError, SandmanError
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 # Labels every provider sets on its sandboxes, so the pool can reconcile after a restart.
 POOL_LABEL = "sandman.pool"
@@ -29,6 +30,9 @@ class SandboxInfo:
     node_id: the Ray node the sandbox runs on (None when not on a Ray node).
     labels: the labels it was created with, including POOL_LABEL and SANDBOX_LABEL.
     created_at: wall-clock seconds when it was created (or last reset).
+    spec: the spec it was created from, whole (a restarted pool adopts the sandbox
+        with it); None when the provider cannot tell (then the pool deletes it).
+    alive: False once the provider knows it has stopped (the pool deletes it).
     details: provider-specific facts (image digest, limits applied, timings).
     """
 
@@ -38,6 +42,8 @@ class SandboxInfo:
     node_id: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
+    spec: Optional[SandboxSpec] = None
+    alive: bool = True
     details: Dict[str, object] = field(default_factory=dict)
 
 
@@ -53,19 +59,54 @@ def fatal(message: str) -> ProviderError:
     return ProviderError(message, "fatal")
 
 
+async def check_answers(info: SandboxInfo) -> None:
+    """Raise (transient) unless the sandbox's daemon answers a ping and a trivial exec:
+    what READY means, checked where the address is reachable (a provider's create and
+    reset end with it, on the sandbox's node for a unix socket)."""
+    from sandman_ray.client import AsyncDaemonClient
+    try:
+        client = await AsyncDaemonClient.connect(info.address, info.token)
+    except (ConnectionError, OSError, SandmanError) as exc:
+        raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+    try:
+        await client.ping()
+        result = await client.exec("true")
+        if result.exit_code != 0:
+            raise transient("sandbox %s: `true` exited %s" % (info.sandbox_id, result.exit_code))
+    except (ConnectionError, OSError, SandmanError) as exc:
+        if isinstance(exc, ProviderError):
+            raise
+        raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+    finally:
+        client.close()
+
+
 class Provider(abc.ABC):
-    """Creates and deletes sandboxes. Methods are coroutines: they run on the pool's
-    event loop and must never block it (blocking calls go to a thread or to another
-    actor)."""
+    """Creates and deletes one pool's sandboxes. Methods that do I/O are coroutines:
+    they run on the pool's event loop and must never block it (blocking calls go to a
+    thread or to another actor). The pool calls, in its life:
+
+    ``bind`` once, in the pool's process; ``create``, ``reset`` (when
+    ``supports_reset``), ``delete`` and ``list`` any number of times, concurrently;
+    ``shutdown`` once, when the pool is shut down, then ``close``."""
 
     #: True when ``reset`` returns a sandbox to its initial state faster than a new one.
     supports_reset: bool = False
+    #: the pool whose sandboxes these are (set by ``bind``)
+    pool: str = "default"
+
+    def bind(self, pool: str) -> "Provider":
+        """Name the pool whose sandboxes this provider runs (before any other call)."""
+        self.pool = check_pool_name(pool)
+        return self
 
     @abc.abstractmethod
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels: Dict[str, str]) -> SandboxInfo:
-        """Start a sandbox whose daemon answers. Idempotent per ``sandbox_id``: a retry
-        after a timeout returns the existing sandbox instead of a second one."""
+        """Start a sandbox and return once its daemon answers (``check_answers``), with
+        ``labels`` set and ``spec`` reported in its SandboxInfo. Idempotent per
+        ``sandbox_id``: a retry after a timeout returns the existing sandbox instead of
+        a second one."""
 
     @abc.abstractmethod
     async def delete(self, sandbox_id: str) -> None:
@@ -74,7 +115,8 @@ class Provider(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
-        """Every sandbox this provider runs whose labels include ``labels``."""
+        """Every sandbox this provider runs whose labels include ``labels``, each with
+        its spec and liveness."""
 
     async def endpoint(self, sandbox_id: str) -> SandboxInfo:
         """Where ``sandbox_id`` is now; ``fatal`` ProviderError if it does not exist."""
@@ -82,24 +124,18 @@ class Provider(abc.ABC):
             return info
         raise fatal("sandbox %s does not exist" % sandbox_id)
 
-    async def probe(self, info: SandboxInfo) -> None:
-        """Raise unless the sandbox's daemon answers a ping and a trivial exec: what
-        READY means. This default connects from here (a TCP address, or a unix socket
-        on this node)."""
-        from sandman_ray.client import AsyncDaemonClient
-        client = await AsyncDaemonClient.connect(info.address, info.token)
-        try:
-            await client.ping()
-            result = await client.exec("true")
-            if result.exit_code != 0:
-                raise transient("sandbox %s: `true` exited %s" % (info.sandbox_id, result.exit_code))
-        finally:
-            client.close()
-
     async def reset(self, sandbox_id: str) -> SandboxInfo:
-        """Return the sandbox to the state of a new one (files, processes), keeping its
-        id, and answer once its daemon answers."""
+        """Return the sandbox to the state of a new one (files, processes, a new token),
+        keeping its id, and return once its daemon answers."""
         raise fatal("%s cannot reset sandboxes" % type(self).__name__)
+
+    async def shutdown(self) -> int:
+        """Delete every sandbox of the pool, also those still being created; returns
+        how many. No create succeeds afterwards."""
+        infos = await self.list({POOL_LABEL: self.pool})
+        for info in infos:
+            await self.delete(info.sandbox_id)
+        return len(infos)
 
     async def close(self) -> None:
         """Release what the provider holds in this process (connections, threads)."""

@@ -29,8 +29,8 @@ class FaultyProvider(Provider):
         self.supports_reset = inner.supports_reset
 
     def bind(self, pool: str) -> "FaultyProvider":
-        if hasattr(self.inner, "bind"):
-            self.inner.bind(pool)
+        super().bind(pool)
+        self.inner.bind(pool)
         return self
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,
@@ -52,11 +52,11 @@ class FaultyProvider(Provider):
     async def list(self, labels=None):
         return await self.inner.list(labels)
 
-    async def probe(self, info: SandboxInfo) -> None:
-        await self.inner.probe(info)
-
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         return await self.inner.reset(sandbox_id)
 
     async def shutdown(self) -> int:
-        return await self.inner.shutdown() if hasattr(self.inner, "shutdown") else 0
+        return await self.inner.shutdown()
+
+    async def close(self) -> None:
+        await self.inner.close()

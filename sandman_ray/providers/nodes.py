@@ -16,10 +16,10 @@ from typing import Awaitable, Callable, Dict, List, Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from sandman_ray.errors import ProviderError, SandmanError
+from sandman_ray.errors import ProviderError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
-from sandman_ray.spec import SandboxSpec, check_pool_name
+from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,6 @@ class NodeAgentProvider(Provider):
     def agent_args(self, node_id: str) -> tuple:
         """Constructor arguments of the agent on ``node_id``."""
         raise NotImplementedError
-
-    def bind(self, pool: str) -> "NodeAgentProvider":
-        """Name the pool whose agents this provider drives."""
-        self.pool = check_pool_name(pool)
-        return self
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -229,17 +224,6 @@ class NodeAgentProvider(Provider):
             raise self._agent_gone(node, exc) from exc
         except ProviderError as exc:
             raise unwrapped(exc) from None
-
-    async def probe(self, info: SandboxInfo) -> None:
-        """On the sandbox's node: its unix socket is not reachable from elsewhere."""
-        try:
-            await self.agent(info.node_id).probe.remote(info.sandbox_id)
-        except ray.exceptions.RayActorError as exc:
-            raise self._agent_gone(info.node_id, exc) from exc
-        except ProviderError as exc:
-            raise unwrapped(exc) from None
-        except (ConnectionError, OSError, SandmanError) as exc:
-            raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
 
     async def shutdown(self) -> int:
         """Delete every sandbox of this pool and stop its agents; no agent starts

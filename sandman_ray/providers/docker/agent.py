@@ -16,7 +16,7 @@ import ray
 
 from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
+    POOL_LABEL, SANDBOX_LABEL, SandboxInfo, check_answers, fatal, transient)
 from sandman_ray.providers.docker.engine import (
     EngineFacts, PullFailed, container_name, engine_client, engine_error, engine_facts,
     list_containers, pull_error, remove_container, remove_containers, short_name)
@@ -271,10 +271,21 @@ class DockerAgent:
             container = await self._create_container(sandbox_id, config)
             created = time.monotonic()
             self._still_wanted(sandbox_id)
+            started_wall = time.time()
             await self._engine("start %s" % sandbox_id, container.start)
             pid = await self._started_pid(sandbox_id, container)
             await self._seal(sandbox_id, pid, spec)
             address = await self._wait_listening(sandbox_id, container, run_dir, token)
+            self._still_wanted(sandbox_id)
+            info = self._info(
+                sandbox_id, address, token, config["labels"], created_at=started_wall, spec=spec,
+                details={
+                    "container": container.id[:12], "engine": self.base_url, "image": image,
+                    "runtime": self.runtime or self.facts.default_runtime,
+                    "user_namespace": "gvisor" if self.runtime == "runsc" else self.user_namespace,
+                    "host_root_id": _host_root_id(pid) if self.runtime != "runsc" else None,
+                    "disk_limit": spec.disk if self.disk_quota else None})
+            await check_answers(info)  # what READY means, from this node
             self._still_wanted(sandbox_id)
         except BaseException:
             try:
@@ -285,15 +296,9 @@ class DockerAgent:
             self._forget(sandbox_id)
             raise
         self.stats["creates"] += 1
-        info = self.infos[sandbox_id] = self._info(
-            sandbox_id, address, token, config["labels"], details={
-                "container": container.id[:12], "engine": self.base_url, "image": image,
-                "spec": spec, "alive": True, "runtime": self.runtime or self.facts.default_runtime,
-                "user_namespace": "gvisor" if self.runtime == "runsc" else self.user_namespace,
-                "host_root_id": _host_root_id(pid) if self.runtime != "runsc" else None,
-                "disk_limit": spec.disk if self.disk_quota else None,
-                "timings": {"image_s": pulled - started, "create_s": created - pulled,
-                            "start_ready_s": time.monotonic() - created}})
+        info.details["timings"] = {"image_s": pulled - started, "create_s": created - pulled,
+                                   "start_ready_s": time.monotonic() - created}
+        self.infos[sandbox_id] = info
         return info
 
     async def _started_pid(self, sandbox_id: str, container) -> int:
@@ -358,10 +363,12 @@ class DockerAgent:
         await self._remove_container(sandbox_id)
         return await self._engine("create %s" % sandbox_id, self._create_call, config)
 
-    def _info(self, sandbox_id, address, token, labels, created_at=None, details=None):
+    def _info(self, sandbox_id, address, token, labels, created_at=None, spec=None,
+              alive=True, details=None):
         return SandboxInfo(sandbox_id=sandbox_id, address=address, token=token,
                            node_id=self.node_id, labels=dict(labels),
-                           created_at=created_at or time.time(), details=details or {})
+                           created_at=created_at or time.time(), spec=spec, alive=alive,
+                           details=details or {})
 
     async def _wait_listening(self, sandbox_id: str, container, run_dir: Path,
                               token: str) -> str:
@@ -445,13 +452,6 @@ class DockerAgent:
         await self.delete(sandbox_id)
         return await self.create(sandbox_id, spec, labels)
 
-    async def probe(self, sandbox_id: str) -> None:
-        """Ping and ``exec true`` through the sandbox's address, from this node."""
-        info = self.infos.get(sandbox_id)
-        if info is None:
-            raise transient("sandbox %s is not running on node %s" % (sandbox_id, self.node_id))
-        await Provider.probe(self, info)
-
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         """The engine's containers of this pool on this node whose labels include
         ``labels``, as the engine reports them. The token and spec are this agent's
@@ -466,12 +466,13 @@ class DockerAgent:
             known = self.infos.get(sandbox_id)
             running = container.get("State") == "running"
             details = {"container": container["Id"][:12], "status": container.get("State"),
-                       "engine": self.base_url, "alive": running}
+                       "engine": self.base_url}
             if known is not None:
-                details.update(spec=known.details["spec"], image=known.details["image"])
+                details.update(image=known.details["image"])
             infos.append(self._info(sandbox_id, known.address if known else "",
                                     known.token if known else "", own,
                                     created_at=known.created_at if known else None,
+                                    spec=known.spec if known else None, alive=running,
                                     details=details))
         return infos
 

@@ -8,8 +8,10 @@ Each pod runs the task image unmodified with the daemon as its command:
 - the daemon listens on TCP (``daemon_port``) with a per-sandbox token in the
   container's environment (the daemon drops it from its environment before it starts
   anything); labels carry the pool, the sandbox id and the owner, never the token;
-- readiness is the pod Running with an IP *and* the daemon answering (the pool's
-  probe), not the pod's Ready condition;
+- readiness is the pod Running with an IP *and* the daemon answering
+  (``check_answers``, from the pool's process), not the pod's Ready condition;
+- the pod's ``sandman.spec`` annotation holds the sandbox's spec, so a restarted pool
+  adopts its pods whole (limits, env, TTLs);
 - one watch stream per namespace (label selector of the pool) keeps every pod's state:
   creates wait on it instead of polling pods one GET at a time;
 - API errors are classified for the pool's pacing: 429 throttled (and every request of
@@ -56,8 +58,9 @@ from typing import Any, Dict, List, Optional
 
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, throttled, transient)
-from sandman_ray.spec import SandboxSpec, check_pool_name, parse_image
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, check_answers, fatal, throttled,
+    transient)
+from sandman_ray.spec import SandboxSpec, parse_image
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ OWNER_LABEL = "sandman.owner"
 # selects to let them out (to public addresses and the cluster's DNS only)
 NETWORK_LABEL = "sandman.network"
 CONTAINER = "sandbox"
+SPEC_ANNOTATION = "sandman.spec"
 BAD_IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",
                      "ErrImageNeverPull", "CreateContainerConfigError",
                      "CreateContainerError")
@@ -196,10 +200,6 @@ class KubernetesProvider(Provider):
         self._stop = threading.Event()
         self._loop = None
         self.stats = {"requests": 0, "throttled": 0, "conflicts": 0, "replaced": 0}
-
-    def bind(self, pool: str) -> "KubernetesProvider":
-        self.pool = check_pool_name(pool)
-        return self
 
     def __getstate__(self):
         # the configuration travels; the client, threads and watch state (``_*``) do not
@@ -375,6 +375,8 @@ class KubernetesProvider(Provider):
         # what the pool relies on wins over the template
         pod["metadata"]["labels"].update({POOL_LABEL: label_value(self.pool),
                                           SANDBOX_LABEL: label_value(sandbox_id)})
+        pod["metadata"].setdefault("annotations", {}).update({
+            "sandman.sandbox": sandbox_id, SPEC_ANNOTATION: json.dumps(spec.to_dict())})
         return pod
 
     def _info(self, pod: dict) -> SandboxInfo:
@@ -388,11 +390,11 @@ class KubernetesProvider(Provider):
         return SandboxInfo(
             sandbox_id=sandbox_id, address="tcp:%s:%d" % (ip, self.daemon_port) if ip else "",
             token=env.get("SANDMAN_TOKEN", ""), node_id=None, labels=dict(meta.get("labels") or {}),
-            created_at=time.time(), details={
-                "pod": meta["name"], "node": pod["spec"].get("nodeName"),
-                "phase": status.get("phase"), "image": container.get("image"),
-                "alive": status.get("phase") in ("Pending", "Running")
-                and not meta.get("deletionTimestamp")})
+            created_at=time.time(), spec=_spec_of(meta),
+            alive=status.get("phase") in ("Pending", "Running")
+            and not meta.get("deletionTimestamp"),
+            details={"pod": meta["name"], "node": pod["spec"].get("nodeName"),
+                     "phase": status.get("phase"), "image": container.get("image")})
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels: Dict[str, str]) -> SandboxInfo:
@@ -416,9 +418,15 @@ class KubernetesProvider(Provider):
                         label_value(self.pool):
                     raise fatal("pod %s exists and is not this pool's sandbox %s"
                                 % (name, sandbox_id)) from exc
-            return await self._wait_running(name, sandbox_id, event)
+            info = await self._wait_running(name, sandbox_id, event)
         finally:
             self._changed.pop(name, None)
+        try:
+            await check_answers(info)
+        except ProviderError:
+            await self._delete_pod(name)
+            raise
+        return info
 
     async def _get(self, name: str) -> Optional[dict]:
         try:
@@ -497,6 +505,14 @@ class KubernetesProvider(Provider):
         if self._executor is not None:
             self._executor.shutdown(wait=False)
         self._reset_runtime()
+
+
+def _spec_of(meta: dict) -> Optional[SandboxSpec]:
+    """The spec a pod was made from (its annotation); None for a pod without one."""
+    try:
+        return SandboxSpec.from_dict(json.loads(meta["annotations"][SPEC_ANNOTATION]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _unblock(stream) -> None:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import ray
 
 from sandman_ray.errors import ProviderError, SandboxLost
-from sandman_ray.providers.base import Provider, SandboxInfo, fatal, transient
+from sandman_ray.providers.base import SandboxInfo, check_answers, fatal, transient
 from sandman_ray.providers.network import ray_node_addresses
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
@@ -142,6 +142,11 @@ class NodeAgent:
                         % (self.pool, self.node_id, sandbox_id))
         self.sandboxes[sandbox_id] = sandbox
         self.labels[sandbox_id] = dict(labels)
+        try:
+            await check_answers(self._info(sandbox_id))  # what READY means, on this node
+        except ProviderError:
+            await self.delete(sandbox_id)
+            raise
         return self._info(sandbox_id)
 
     def _info(self, sandbox_id: str) -> SandboxInfo:
@@ -149,10 +154,10 @@ class NodeAgent:
         return SandboxInfo(
             sandbox_id=sandbox_id, address=sandbox.address, token=sandbox.token,
             node_id=self.node_id, labels=self.labels[sandbox_id], created_at=sandbox.started_at,
-            details={"image": sandbox.image.image, "spec": sandbox.spec,
-                     "digest": sandbox.image.digest,
+            spec=sandbox.spec, alive=sandbox.alive,
+            details={"image": sandbox.image.image, "digest": sandbox.image.digest,
                      "unpacked_by": sandbox.image.unpacked_by, "limits": dict(sandbox.applied),
-                     "alive": sandbox.alive, "pid": sandbox.proc.pid if sandbox.proc else None,
+                     "pid": sandbox.proc.pid if sandbox.proc else None,
                      # root inside is this host uid and gid (None: host root)
                      "host_root_id": sandbox.ids.base if sandbox.ids else (
                          os.geteuid() if self.unprivileged else None),
@@ -179,14 +184,11 @@ class NodeAgent:
         try:
             sandbox.launch()
             await sandbox.wait_ready(self.ready_timeout_s)
-        except (SandboxLost, OSError) as exc:
+            await check_answers(self._info(sandbox_id))
+        except (SandboxLost, OSError, ProviderError) as exc:
             await self.delete(sandbox_id)
             raise transient("sandbox %s did not come back from reset: %s" % (sandbox_id, exc))
         return self._info(sandbox_id)
-
-    async def probe(self, sandbox_id: str) -> None:
-        """Ping and ``exec true`` through the sandbox's socket, from this node."""
-        await Provider.probe(self, self._info(sandbox_id))
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()

@@ -1,0 +1,159 @@
+"""The pool's records of its sandboxes, indexed so that no question rescans them.
+
+Every record sits in the index of its state (oldest first: the order in which the
+records entered it); READY records are indexed by spec as well, and the counts the
+reconciler asks for (what each spec has or will soon have, leases per client, records
+per node) are kept as records move rather than recomputed. Records move only through
+``Records``, which keeps all of that in step; a tick then costs what changed, not what
+exists.
+"""
+
+import collections
+from typing import Dict, Iterable, List, Optional
+
+from sandman_ray.pool.states import SUPPLY, Lease, Sandbox, State
+from sandman_ray.spec import SandboxSpec
+
+
+class Records:
+    def __init__(self):
+        self.by_id: Dict[str, Sandbox] = {}
+        self.in_state: Dict[State, Dict[str, Sandbox]] = {s: {} for s in State}
+        self.ready: Dict[SandboxSpec, Dict[str, Sandbox]] = {}  # READY, per spec, oldest first
+        self.supply: collections.Counter = collections.Counter()  # spec -> READY or coming
+        self.leases: Dict[str, Sandbox] = {}  # lease id -> the LEASED record
+        self.per_client: collections.Counter = collections.Counter()  # client -> leases
+        self.per_holder: Dict[str, Dict[str, Sandbox]] = {}  # host name -> its leased records
+        self.per_node: Dict[str, Dict[str, Sandbox]] = {}  # node id -> records placed there
+        self.visited = 0  # records examined by questions that walk an index (tests count)
+
+    # ---- questions
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __contains__(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.by_id
+
+    def get(self, sandbox_id: str) -> Optional[Sandbox]:
+        return self.by_id.get(sandbox_id)
+
+    def values(self) -> Iterable[Sandbox]:
+        return self.by_id.values()
+
+    def count(self, state: State) -> int:
+        return len(self.in_state[state])
+
+    def counts(self) -> Dict[str, int]:
+        return {s.value: len(recs) for s, recs in self.in_state.items()}
+
+    def held(self) -> int:
+        """Records that hold (or will hold) a sandbox: all but those already gone."""
+        return len(self.by_id) - len(self.in_state[State.GONE])
+
+    def walk(self, state: State) -> List[Sandbox]:
+        """The records in ``state``, oldest first (a copy: the caller may move them)."""
+        recs = list(self.in_state[state].values())
+        self.visited += len(recs)
+        return recs
+
+    def leased(self, lease_id: str) -> Optional[Sandbox]:
+        return self.leases.get(lease_id)
+
+    def held_by(self, holder: str) -> List[Sandbox]:
+        recs = list(self.per_holder.get(holder, {}).values())
+        self.visited += len(recs)
+        return recs
+
+    def on_node(self, node_id: str) -> List[Sandbox]:
+        recs = list(self.per_node.get(node_id, {}).values())
+        self.visited += len(recs)
+        return recs
+
+    def nodes(self) -> List[str]:
+        return list(self.per_node)
+
+    # ---- changes
+    def add(self, rec: Sandbox) -> None:
+        """A new record, in the state it already has."""
+        if rec.sandbox_id in self.by_id:
+            raise RuntimeError("sandbox %s has a record already" % rec.sandbox_id)
+        self.by_id[rec.sandbox_id] = rec
+        self._enter(rec)
+        self.place(rec, rec.info)
+
+    def move(self, rec: Sandbox, state: State, now: float) -> None:
+        self._leave(rec)
+        try:
+            rec.to(state, now)
+        finally:
+            self._enter(rec)
+
+    def drop(self, rec: Sandbox) -> None:
+        """Forget a record (gone)."""
+        if self.by_id.pop(rec.sandbox_id, None) is None:
+            return
+        self._leave(rec)
+        self.place(rec, None)
+
+    def place(self, rec: Sandbox, info) -> None:
+        """``rec``'s sandbox is now where ``info`` says (None: nowhere)."""
+        old = getattr(rec.info, "node_id", None)
+        if old is not None and old in self.per_node:
+            self.per_node[old].pop(rec.sandbox_id, None)
+            if not self.per_node[old]:
+                del self.per_node[old]
+        rec.info = info
+        node = getattr(info, "node_id", None)
+        if node is not None and rec.sandbox_id in self.by_id:
+            self.per_node.setdefault(node, {})[rec.sandbox_id] = rec
+
+    def lend(self, rec: Sandbox, lease: Lease, client: str, holder: Optional[str]) -> None:
+        """The lease part of READY -> LEASED (the caller moves the state)."""
+        rec.lease, rec.client, rec.holder = lease, client, holder
+        self.leases[lease.lease_id] = rec
+        self.per_client[client] += 1
+        if holder is not None:
+            self.per_holder.setdefault(holder, {})[rec.sandbox_id] = rec
+
+    def hold(self, rec: Sandbox, holder: str) -> None:
+        """The host ``holder`` now holds ``rec``'s lease."""
+        self._unhold(rec)
+        rec.holder = holder
+        self.per_holder.setdefault(holder, {})[rec.sandbox_id] = rec
+
+    def end_lease(self, rec: Sandbox) -> None:
+        if rec.lease is not None:
+            self.leases.pop(rec.lease.lease_id, None)
+            self.per_client[rec.client] -= 1
+            if self.per_client[rec.client] <= 0:
+                del self.per_client[rec.client]
+        self._unhold(rec)
+        rec.lease, rec.client, rec.holder = None, None, None
+
+    # ---- the indexes
+    def _unhold(self, rec: Sandbox) -> None:
+        held = self.per_holder.get(rec.holder)
+        if held is not None:
+            held.pop(rec.sandbox_id, None)
+            if not held:
+                del self.per_holder[rec.holder]
+
+    def _enter(self, rec: Sandbox) -> None:
+        self.in_state[rec.state][rec.sandbox_id] = rec
+        if rec.state is State.READY:
+            self.ready.setdefault(rec.spec, {})[rec.sandbox_id] = rec
+        if rec.state in SUPPLY:
+            self.supply[rec.spec] += 1
+
+    def _leave(self, rec: Sandbox) -> None:
+        self.in_state[rec.state].pop(rec.sandbox_id, None)
+        if rec.state is State.READY:
+            ready = self.ready.get(rec.spec)
+            if ready is not None:
+                ready.pop(rec.sandbox_id, None)
+                if not ready:
+                    del self.ready[rec.spec]
+        if rec.state in SUPPLY:
+            self.supply[rec.spec] -= 1
+            if self.supply[rec.spec] <= 0:
+                del self.supply[rec.spec]

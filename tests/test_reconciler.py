@@ -1,0 +1,382 @@
+"""The pool's reconciler on its own: no Ray, a fake provider, a fake clock, a fake
+cluster (which hosts and nodes are alive, the lease store). The provider, clock and
+cluster are fakes because the point is to drive the decisions directly and fast; the
+real ones are exercised by test_pool.py and the chaos suite."""
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
+from sandman_ray.pool.reconciler import SURPLUS_LINGER_S, Reconciler
+from sandman_ray.pool.states import State
+from sandman_ray.providers.base import POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo
+from sandman_ray.spec import PoolConfig, SandboxSpec
+
+NODE, OTHER = "node-a", "node-b"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def time(self):
+        return 1.7e9 + self.now
+
+    async def sleep(self, seconds):
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class FakeCluster:
+    def __init__(self):
+        self.hosts, self.nodes = set(), {NODE, OTHER}
+        self.kv, self.told = {}, []
+
+    async def live_hosts(self):
+        return set(self.hosts)
+
+    async def alive_nodes(self):
+        return set(self.nodes)
+
+    def persist(self, key, record):
+        self.kv[key] = dict(record)
+
+    def forget(self, key):
+        self.kv.pop(key, None)
+
+    async def recall(self, key):
+        return self.kv.get(key)
+
+    def tell_host(self, host, lease_id, reason):
+        self.told.append((host, lease_id, reason))
+
+
+class NoMetrics:
+    def due(self):
+        return False
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+class FakeProvider(Provider):
+    """Sandboxes as entries of a dict, placed on NODE unless ``place`` says otherwise;
+    ``fail`` holds the errors the next creates raise."""
+
+    supports_reset = True
+
+    def __init__(self):
+        self.sandboxes, self.fail, self.calls = {}, [], []
+        self.place = NODE
+        self.resets = 0
+
+    def _info(self, sandbox_id, spec, labels, node):
+        return SandboxInfo(sandbox_id, "unix:/run/%s/sock" % sandbox_id, "t-" + sandbox_id,
+                           node, dict(labels, **{SANDBOX_LABEL: sandbox_id}), 1.0, spec)
+
+    async def create(self, sandbox_id, spec, labels):
+        self.calls.append(("create", sandbox_id))
+        if self.fail:
+            raise self.fail.pop(0)
+        info = self._info(sandbox_id, spec, labels, self.place)
+        self.sandboxes[sandbox_id] = info
+        return info
+
+    async def reset(self, sandbox_id):
+        self.resets += 1
+        return self.sandboxes[sandbox_id]
+
+    async def delete(self, sandbox_id):
+        self.calls.append(("delete", sandbox_id))
+        self.sandboxes.pop(sandbox_id, None)
+
+    async def list(self, labels=None):
+        return [i for i in self.sandboxes.values()
+                if all(i.labels.get(k) == v for k, v in (labels or {}).items())]
+
+
+SPEC = SandboxSpec(image="host")
+
+
+def make(**config):
+    config.setdefault("default_pids", None)
+    config.setdefault("default_memory", None)
+    config.setdefault("default_disk", None)
+    provider, clock, cluster = FakeProvider(), FakeClock(), FakeCluster()
+    pool = Reconciler("p", PoolConfig(provider=provider, **config), provider.bind("p"),
+                      cluster, clock, NoMetrics())
+    return pool, provider, clock, cluster
+
+
+async def settle(pool, ticks=3):
+    """Tick and let the side effects the tick started run, a few times over."""
+    for _ in range(ticks):
+        pool.tick()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_the_reconciler_needs_no_ray():
+    code = "import sys, sandman_ray.pool.reconciler; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_warm_sandboxes_are_created_and_lent_at_once():
+    async def main():
+        pool, provider, clock, _ = make(warm={SPEC: 3})
+        await settle(pool)
+        assert pool.records.count(State.READY) == 3
+        lease = await pool.lease(SPEC, "c1", 5)
+        assert pool.records.get(lease.sandbox_id).state is State.LEASED
+        await settle(pool)  # the warm set is refilled
+        assert pool.records.count(State.READY) == 3 and len(provider.sandboxes) == 4
+    run(main())
+
+
+def test_a_waiter_is_served_by_the_create_it_caused_without_a_tick():
+    async def main():
+        pool, provider, _, _ = make()
+        task = asyncio.ensure_future(pool.lease(SPEC, "c1", 5))
+        await asyncio.sleep(0)
+        pool.tick()  # one tick starts the create; its completion lends the sandbox
+        lease = await asyncio.wait_for(task, 1)
+        assert lease.sandbox_id in provider.sandboxes
+        assert [e[2] for e in pool.events if e[1] == lease.sandbox_id] == \
+            ["requested", "creating", "started", "ready", "leased"]
+    run(main())
+
+
+def test_release_resets_or_deletes_by_the_pool_s_reuse():
+    async def main(reuse):
+        pool, provider, _, _ = make(reuse=reuse)
+        task = asyncio.ensure_future(pool.lease(SPEC, "c1", 5))
+        await settle(pool)
+        lease = await task
+        assert pool.release(lease.lease_id)
+        assert pool.records.get(lease.sandbox_id).state is State.RELEASING
+        assert not pool.release(lease.lease_id)  # a lease ends once
+        await settle(pool)
+        return pool, provider, lease
+    pool, provider, lease = run(main("reset"))
+    assert provider.resets == 1 and pool.records.get(lease.sandbox_id).state is State.READY
+    pool, provider, lease = run(main("delete"))
+    assert provider.resets == 0 and lease.sandbox_id not in provider.sandboxes
+    assert lease.sandbox_id not in pool.records
+
+
+def test_ttl_idle_and_grace_reclaim_by_the_clock():
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 3}, lease_grace_s=30, idle_timeout_s=60)
+        await settle(pool)
+        cluster.hosts = {"h1", "h2"}
+        task = asyncio.ensure_future(pool.lease(SandboxSpec(image="host", ttl_s=20), "c1", 5))
+        await settle(pool)  # a spec of its own: created for it
+        ttl = await task
+        idle = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        unheld = await pool.lease(SPEC, "c2", 5)
+        pool.register(ttl.lease_id, "h2")
+        clock.now += 25  # past the TTL only
+        await pool.sweep()
+        assert pool.records.leased(ttl.lease_id) is None
+        assert pool.ended[ttl.lease_id].startswith("reclaimed: the lease outlived its TTL")
+        assert ("h2", ttl.lease_id) in [t[:2] for t in cluster.told]
+        assert pool.records.leased(idle.lease_id) and pool.records.leased(unheld.lease_id)
+        clock.now += 10  # past the grace: no host registered the third lease
+        await pool.sweep()
+        assert "no host within 30 s" in pool.ended[unheld.lease_id]
+        assert pool.touch(idle.lease_id, "h1")
+        clock.now += 50
+        await pool.sweep()
+        assert pool.records.leased(idle.lease_id)  # touched 50 s ago: not idle yet
+        clock.now += 11
+        await pool.sweep()
+        assert "idle for 60 s" in pool.ended[idle.lease_id]
+    run(main())
+
+
+def test_a_lease_whose_host_died_is_reclaimed_and_its_store_record_goes():
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 1})
+        await settle(pool)
+        cluster.hosts = {"h1"}
+        lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        key = "pool:p:lease:%s" % lease.sandbox_id
+        assert cluster.kv[key]["holder"] == "h1"
+        clock.now += 1  # a sweep trusts only host lists taken after the registration
+        await pool.sweep()
+        assert pool.records.leased(lease.lease_id)
+        cluster.hosts = set()
+        await pool.sweep()
+        assert "host h1 is gone" in pool.ended[lease.lease_id] and key not in cluster.kv
+    run(main())
+
+
+def test_a_host_registers_leases_it_can_reach_at_once_and_only_it_may_end_them():
+    async def main():
+        pool, provider, _, _ = make(warm={SPEC: 2})
+        await settle(pool)
+        here = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        with pytest.raises(LeaseNotHeld):
+            pool.release(here.lease_id, "h2")
+        with pytest.raises(LeaseNotHeld):
+            pool.register(here.lease_id, "h2")
+        there = await pool.lease(SPEC, "c1", 5, holder="h3", holder_node=OTHER)
+        rec = pool.records.leased(there.lease_id)
+        assert rec.holder is None and not rec.registered_at  # a unix socket on another node
+        assert pool.register(there.lease_id, "h4")  # the host of the sandbox's node
+        assert pool.release(here.lease_id, "h1") and pool.release(there.lease_id, "h4")
+    run(main())
+
+
+def test_a_request_is_cancelled_by_its_lease_id_before_and_after_it_is_served():
+    async def main():
+        pool, _, _, _ = make(max_starting=1, create_rate_per_s=0.01, create_burst=1)
+        first = asyncio.ensure_future(pool.lease(SPEC, "c1", 5, lease_id="L-1"))
+        second = asyncio.ensure_future(pool.lease(SPEC, "c1", 5, lease_id="L-2"))
+        await settle(pool)
+        assert (await first).lease_id == "L-1"
+        assert pool.cancel("L-2") and len(pool.waiters) == 0
+        with pytest.raises(AcquireTimeout, match="cancelled"):
+            await second
+        assert pool.cancel("L-1")  # served: the lease ends
+        assert pool.records.leased("L-1") is None
+        with pytest.raises(ValueError, match="taken"):
+            await pool.lease(SPEC, "c1", 5, lease_id="L-1")
+    run(main())
+
+
+def test_surplus_is_deleted_only_after_it_lingered():
+    async def main():
+        pool, provider, clock, _ = make(warm={SPEC: 3})
+        await settle(pool)
+        pool.config.warm = {pool.config.limited(SPEC): 1}
+        await settle(pool)
+        assert pool.records.count(State.READY) == 3
+        clock.now += SURPLUS_LINGER_S + 1
+        await settle(pool)
+        assert pool.records.count(State.READY) == 1 and len(provider.sandboxes) == 1
+    run(main())
+
+
+def test_a_fatal_create_fails_the_waiters_at_once_and_transient_ones_are_retried():
+    async def main():
+        pool, provider, _, _ = make()
+        provider.fail = [ProviderError("no such image", "fatal")]
+        task = asyncio.ensure_future(pool.lease(SPEC, "c1", 5))
+        await settle(pool)
+        with pytest.raises(ProviderError, match="no such image"):
+            await task
+        assert len(pool.waiters) == 0 and pool.stats["create_failures"] == 1
+        provider.fail = [ProviderError("429", "throttled"), ProviderError("503", "transient")]
+        rate = pool.bucket.rate
+        task = asyncio.ensure_future(pool.lease(SPEC, "c1", 5))
+        await settle(pool, ticks=6)
+        assert (await asyncio.wait_for(task, 1)).sandbox_id in provider.sandboxes
+        assert pool.stats["throttled"] == 1 and pool.bucket.rate < rate
+    run(main())
+
+
+def test_a_client_at_its_quota_waits_and_asks_for_no_create():
+    async def main():
+        pool, provider, _, _ = make(client_quota=1, warm={SPEC: 1})
+        await settle(pool)
+        held = await pool.lease(SPEC, "greedy", 5)
+        more = asyncio.ensure_future(pool.lease(SPEC, "greedy", 5))
+        await settle(pool)
+        assert not more.done() and pool.wanted()[pool.config.limited(SPEC)] == 1
+        other = await pool.lease(SPEC, "modest", 5)  # the warm one, not the greedy waiter's
+        assert other.sandbox_id != held.sandbox_id and not more.done()
+        pool.release(held.lease_id)
+        await settle(pool)
+        assert (await asyncio.wait_for(more, 1)).sandbox_id
+    run(main())
+
+
+def test_sandboxes_of_a_dead_node_are_forgotten_and_their_warm_capacity_made_again():
+    async def main():
+        pool, provider, _, cluster = make(warm={SPEC: 2})
+        await settle(pool)
+        lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        provider.place = OTHER
+        cluster.nodes = {OTHER}
+        await pool.drop_dead_nodes()
+        assert "lost: Ray node" in pool.ended[lease.lease_id]
+        await settle(pool)
+        assert {r.info.node_id for r in pool.records.values()} == {OTHER}
+        assert pool.records.count(State.READY) == 2
+    run(main())
+
+
+def test_a_restarted_pool_adopts_its_sandboxes_with_their_whole_spec():
+    async def main():
+        old, provider, clock, cluster = make()
+        spec = SandboxSpec(image="host", cpu=0.5, memory="64Mi", env={"K": "v"}, ttl_s=99,
+                           labels={"team": "rl"})
+        task = asyncio.ensure_future(old.lease(spec, "c1", 5, holder="h1", holder_node=NODE))
+        task2 = asyncio.ensure_future(old.lease(SPEC, "c2", 5))
+        await settle(old)
+        kept, free = await task, await task2
+        old.release(free.lease_id)
+        await settle(old)
+        gone = provider._info("sbx-dead", spec, {POOL_LABEL: "p"}, NODE)
+        provider.sandboxes["sbx-dead"] = SandboxInfo(**dict(gone.__dict__, alive=False))
+        provider.sandboxes["sbx-nospec"] = provider._info("sbx-nospec", None, {POOL_LABEL: "p"},
+                                                          NODE)
+        cluster.hosts = {"h1"}
+        wanting = dataclasses.replace(old.config, warm={SPEC: 1})  # the free one is wanted
+        new = Reconciler("p", wanting, provider, cluster, clock, NoMetrics())
+        await new.recover()
+        rec = new.records.leased(kept.lease_id)
+        assert rec.spec == old.config.limited(spec) and rec.spec.env == {"K": "v"}
+        assert rec.holder == "h1" and "sbx-dead" not in provider.sandboxes
+        assert "sbx-nospec" not in provider.sandboxes
+        # one without a lease record may have served a lease being written: afresh first
+        assert new.records.get(free.sandbox_id).state is State.RELEASING
+        resets = provider.resets
+        await settle(new)
+        assert new.records.get(free.sandbox_id).state is State.READY
+        assert provider.resets == resets + 1
+        with pytest.raises(LeaseNotHeld):
+            new.release(kept.lease_id, "intruder")
+    run(main())
+
+
+def test_twenty_thousand_records_cost_a_tick_only_what_changed():
+    """An idle tick over 30,000 records examines none of them; one release costs a
+    tick the released record and the oldest one its spec has spare. (Counted, not
+    timed.)"""
+    async def main():
+        n = 20000
+        pool, provider, clock, _ = make(warm={SPEC: n}, max_sandboxes=2 * n, max_starting=n,
+                                        create_rate_per_s=1e9, create_burst=n)
+        await settle(pool, ticks=2)
+        assert pool.records.count(State.READY) == n
+        leases = [await pool.lease(SPEC, "c%d" % (i % 7), 5) for i in range(n // 2)]
+        clock.now += 1  # the token bucket refills
+        await settle(pool)  # the warm set refills: 30,000 records
+        assert len(pool.records) == n + n // 2
+        pool.records.visited = 0
+        for _ in range(10):
+            pool.tick()
+        assert pool.records.visited == 0 and len(provider.calls) == n + n // 2
+        pool.release(leases[0].lease_id)
+        pool.tick()
+        assert pool.records.visited <= 2  # the released one, and the oldest surplus one
+        await settle(pool)
+        clock.now += SURPLUS_LINGER_S + 1  # the reset one is surplus now
+        pool.records.visited = 0
+        pool.tick()
+        assert pool.records.visited <= 2
+    run(main())

@@ -27,7 +27,7 @@ from pathlib import Path
 import ray
 
 from sandman_ray import AsyncDaemonClient
-from sandman_ray.daemon.sandmand import descendants
+from sandman_ray.daemon.sandmand.spawn import descendants
 from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec

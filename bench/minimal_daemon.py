@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sandman_ray.daemon.sandmand import (  # noqa: E402
+from sandman_ray.daemon.sandmand.wire import (  # noqa: E402
     PROTOCOL_VERSION, FrameReader, encode_frame, unpack)
 
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

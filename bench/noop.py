@@ -37,7 +37,7 @@ from sandman_ray.providers.local.bwrap import BwrapSandbox
 import minimal_daemon  # bench/minimal_daemon.py
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON = ROOT / "daemon" / "sandmand.py"
+DAEMON = ROOT / "daemon" / "sandmand"  # the package, run as a directory
 # Every daemon and the floor get the environment a sandbox gets (the size of the
 # environment and the length of PATH change the cost of a spawn).
 SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -115,8 +115,8 @@ def main() -> None:
         bundle = ensure_bundle(ROOT / ".cache" / "bundle")
         sandbox = BwrapSandbox(Path("/"), bundle, tmp / "sbx", hostname="bench",
                                env=SANDBOX_ENV)
-        sandbox_token = sandbox.token
-        clients["bundle in bwrap, unix"] = DaemonClient(sandbox.start(), sandbox_token)
+        address = sandbox.start()  # with a new token
+        clients["bundle in bwrap, unix"] = DaemonClient(address, sandbox.token)
         procs.append(minimal_daemon.start(tmp / "minimal.sock"))
         minimal = DaemonClient("unix:%s" % (tmp / "minimal.sock"), token)
 

@@ -1,12 +1,12 @@
-"""Client of the sandbox daemon (``daemon/sandmand.py``; its protocol is
+"""Client of the sandbox daemon (``daemon/sandmand/``; its protocol is
 ``daemon/docs/protocol.md``).
 
 Every operation is written once, as a *plan*: a generator that yields the requests it
 needs and receives their results. ``DaemonClient`` drives plans over a blocking socket
 (for scripts, tests and the handle hosts' threads); ``AsyncDaemonClient`` drives the
 same plans over asyncio with many requests in flight on one connection (for asyncio
-callers and the providers' probes). Both use the daemon's own frame definitions and
-codec.
+callers and the providers' probes). Both use the daemon's own frame definitions,
+codec and op table (``sandmand.wire``): each method is named as the op it sends.
 """
 
 import asyncio
@@ -19,144 +19,22 @@ import stat
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Union
 
-from sandman_ray.daemon.sandmand import (
+from sandman_ray.daemon.sandmand.wire import (
     MAX_FRAME, PROTOCOL_VERSION, CodecError, FrameReader, encode_frame, unpack)
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError, ResultTooLarge)
+from sandman_ray.results import (  # noqa: F401 - ExecResult ... are the client's too
+    ExecResult, FileStat, Listing, ProcessOutput, ProcessStatus)
 
 Command = Union[str, Sequence[str]]
 OnOutput = Callable[[str, bytes], None]
 # Slack added to a command's own timeout for the client-side wait on its reply.
 REPLY_SLACK_S = 30.0
-READ_CHUNK = 32 * 1024 * 1024  # the daemon answers at most this much per file_read
+READ_CHUNK = 32 * 1024 * 1024  # the daemon answers at most this much per read_file
 UPLOAD_CHUNK = 8 * 1024 * 1024
 MAX_RESULT_BYTES = 1 << 30  # read_file and get_archive keep at most this (max_bytes)
-
-
-# --------------------------------------------------------------------------- results
-class ExecResult(NamedTuple):
-    """The outcome of one command.
-
-    exit_code: the command's exit status; 128+N when killed by signal N; None when a
-        session command was cut short with its shell.
-    stdout, stderr: what it printed, up to the output cap (empty when streamed).
-    duration_s: wall time from start to exit, measured by the daemon.
-    timed_out: the command ran past its timeout and was killed.
-    signal: the signal that ended it, if any.
-    truncated: some output was over the cap and dropped.
-    session_alive: for session commands, whether the shell survived (always True for
-        one-shot commands).
-    oom_killed: the kernel's OOM killer killed a process of the sandbox while the
-        command ran: the command, one of its children (a ``sh -c`` that survives its
-        child says exit 0 and still has this set), or another process of the sandbox
-        killed meanwhile (the count is the sandbox's memory cgroup's). False where the
-        daemon sees no cgroup counter.
-    """
-
-    exit_code: Optional[int]
-    stdout: bytes
-    stderr: bytes
-    duration_s: float
-    timed_out: bool = False
-    signal: Optional[int] = None
-    truncated: bool = False
-    session_alive: bool = True
-    oom_killed: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-    @property
-    def text(self) -> str:
-        """stdout decoded as UTF-8 (undecodable bytes replaced)."""
-        return self.stdout.decode("utf-8", "replace")
-
-    @classmethod
-    def from_wire(cls, r: Dict[str, Any]) -> "ExecResult":
-        return cls(r["exit_code"], r["stdout"], r["stderr"], r["duration_s"], r["timed_out"],
-                   r.get("signal"), r.get("truncated", False), r.get("session_alive", True),
-                   r.get("oom_killed", False))
-
-
-@dataclass(frozen=True)
-class ProcessStatus:
-    """A background process started by ``spawn``.
-
-    pid: its pid inside the sandbox. running: not yet exited. exit_code / signal: how it
-    ended. started_at / ended_at: daemon wall-clock times. stdout_bytes / stderr_bytes:
-    bytes written so far (cursors for ``output`` run up to these).
-    """
-
-    pid: int
-    cmd: Any
-    running: bool
-    exit_code: Optional[int]
-    signal: Optional[int]
-    started_at: float
-    ended_at: Optional[float]
-    stdout_bytes: int
-    stderr_bytes: int
-    timed_out: bool = False
-
-    @classmethod
-    def from_wire(cls, r: Dict[str, Any]) -> "ProcessStatus":
-        return cls(**{k: r[k] for k in cls.__dataclass_fields__ if k in r})
-
-
-@dataclass(frozen=True)
-class ProcessOutput:
-    """A slice of a background process's output.
-
-    data: the bytes from the cursor asked for. cursor: where to continue next time.
-    dropped: bytes lost between the cursor asked for and the oldest byte still held by
-    the ring buffer. eof: the process has exited and everything was read.
-    """
-
-    data: bytes
-    cursor: int
-    dropped: int
-    eof: bool
-
-    @classmethod
-    def from_wire(cls, r: Dict[str, Any]) -> "ProcessOutput":
-        return cls(r["data"], r["cursor"], r["dropped"], r["eof"])
-
-
-@dataclass(frozen=True)
-class FileStat:
-    """A file in the sandbox. type: file, dir, symlink, fifo, socket, char, block or
-    other; mode: permission bits; target: a symlink's target."""
-
-    name: Union[str, bytes]  # bytes where the name is not UTF-8
-    type: str
-    size: int
-    mode: int
-    mtime: float
-    uid: int
-    gid: int
-    target: Optional[Union[str, bytes]] = None
-    path: Optional[Union[str, bytes]] = None
-
-    @classmethod
-    def from_wire(cls, r: Dict[str, Any]) -> "FileStat":
-        return cls(**{k: r[k] for k in cls.__dataclass_fields__ if k in r})
-
-
-class Listing(list):
-    """A directory's entries (FileStat, names as str, or bytes where a name is not
-    UTF-8); ``truncated``: more entries exist than the daemon sent."""
-
-    truncated = False
-
-    @classmethod
-    def from_wire(cls, r: Dict[str, Any]) -> "Listing":
-        listing = cls(FileStat.from_wire(e) for e in r["entries"])
-        listing.truncated = bool(r.get("truncated"))
-        return listing
 
 
 class Request:
@@ -186,8 +64,9 @@ def _reply_timeout(command_timeout: Optional[float], default: Optional[float]) -
 
 # --------------------------------------------------------------------------- operations
 class _Operations:
-    """Every daemon operation, once. ``_run(plan)`` is the transport: a value for the
-    blocking client, an awaitable for the asyncio client."""
+    """Every daemon operation, once, each a method named as its op in the wire's table
+    (``sandmand.wire.OPS``, whose fields are its parameters). ``_run(plan)`` is the
+    transport: a value for the blocking client, an awaitable for the asyncio client."""
 
     default_timeout: Optional[float] = None
 
@@ -236,12 +115,15 @@ class _Operations:
         ``default``): cwd, variables and functions carry over to the next run."""
         fields = _present({"session": session, "cmd": cmd, "timeout": timeout,
                            "max_output": max_output, "kill_grace_s": kill_grace_s})
-        return self._call("session_run", fields, ExecResult.from_wire,
+        return self._call("run", fields, ExecResult.from_wire,
                                  _reply_timeout(timeout, self.default_timeout))
 
-    def session_close(self, session: str = "default"):
-        return self._call("session_close", _present({"session": session}),
-                                 timeout=self.default_timeout)
+    def session_close(self, session: str = "default", *, kill_grace_s: Optional[float] = None):
+        """Stop the session's shell and everything it started (TERM, then KILL after
+        ``kill_grace_s``)."""
+        return self._call("session_close", _present({"session": session,
+                                                     "kill_grace_s": kill_grace_s}),
+                          timeout=self.default_timeout)
 
     def session_list(self):
         return self._call("session_list", {}, timeout=self.default_timeout)
@@ -293,7 +175,7 @@ class _Operations:
         want, got = length, 0
         while True:
             ask = READ_CHUNK if want is None else min(want, READ_CHUNK)
-            r = yield Request("file_read", {"path": path, "offset": offset, "length": ask},
+            r = yield Request("read_file", {"path": path, "offset": offset, "length": ask},
                               self.default_timeout)
             chunks.append(r["data"])
             got += len(r["data"])
@@ -309,30 +191,30 @@ class _Operations:
     def write_file(self, path: str, data: Union[bytes, str], *, mode: int = 0o644,
                    parents: bool = True, append: bool = False):
         fields = {"path": path, "data": data, "mode": mode, "parents": parents, "append": append}
-        return self._call("file_write", fields, lambda r: r["size"], self.default_timeout)
+        return self._call("write_file", fields, lambda r: r["size"], self.default_timeout)
 
     def stat(self, path: str, follow_symlinks: bool = False):
-        return self._call("file_stat", _present({"path": path, "follow_symlinks": follow_symlinks}),
+        return self._call("stat", _present({"path": path, "follow_symlinks": follow_symlinks}),
                                  FileStat.from_wire, self.default_timeout)
 
     def list_dir(self, path: str, *, limit: Optional[int] = None) -> "Listing":
         """The entries of directory ``path``, sorted by name: a list of FileStat whose
         ``truncated`` says the daemon stopped at ``limit`` entries or at what fits a
         reply."""
-        return self._call("file_list", _present({"path": path, "limit": limit}),
+        return self._call("list_dir", _present({"path": path, "limit": limit}),
                                  Listing.from_wire, self.default_timeout)
 
     def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755):
-        return self._call("file_mkdir", _present({"path": path, "parents": parents, "mode": mode}),
+        return self._call("mkdir", _present({"path": path, "parents": parents, "mode": mode}),
                                  timeout=self.default_timeout)
 
     def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False):
-        return self._call("file_remove", _present({"path": path, "recursive": recursive,
+        return self._call("remove", _present({"path": path, "recursive": recursive,
                                                  "missing_ok": missing_ok}),
                                  timeout=self.default_timeout)
 
     def move(self, src: str, dst: str, *, overwrite: bool = True):
-        return self._call("file_move", _present({"src": src, "dst": dst, "overwrite": overwrite}),
+        return self._call("move", _present({"src": src, "dst": dst, "overwrite": overwrite}),
                                  timeout=self.default_timeout)
 
     def get_archive(self, path: str, *, max_bytes: int = MAX_RESULT_BYTES):
@@ -351,7 +233,7 @@ class _Operations:
                 chunks.append(data)
             else:
                 chunks.clear()
-        yield Request("tar_get", {"path": path}, self.default_timeout, keep)
+        yield Request("get_archive", {"path": path}, self.default_timeout, keep)
         if size[0] > max_bytes:
             raise ResultTooLarge("the archive of %s is %d bytes, more than max_bytes=%d"
                                  % (path, size[0], max_bytes))
@@ -363,14 +245,14 @@ class _Operations:
         return self._run(self._put_archive_plan(path, tar))
 
     def _put_archive_plan(self, path: str, tar: bytes) -> Plan:
-        begun = yield Request("tar_put_begin", {"path": path}, self.default_timeout)
+        begun = yield Request("put_archive_begin", {"path": path}, self.default_timeout)
         upload = begun["upload"]
         view = memoryview(tar)
         for start in range(0, len(view), UPLOAD_CHUNK):
-            yield Request("tar_put_data", {"upload": upload,
+            yield Request("put_archive_data", {"upload": upload,
                                            "data": bytes(view[start:start + UPLOAD_CHUNK])},
                           self.default_timeout)
-        done = yield Request("tar_put_end", {"upload": upload}, self.default_timeout)
+        done = yield Request("put_archive_end", {"upload": upload}, self.default_timeout)
         return done["files"]
 
     def shutdown(self, kill_grace_s: Optional[float] = None):

@@ -33,17 +33,15 @@ from typing import Dict, List, Optional, Set
 import ray
 
 from sandman_ray.client import DaemonClient
-from sandman_ray.daemon.sandmand import CodecError, pack, unpack
+from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
 from sandman_ray.pool.states import EndedLeases
 
-# The daemon operations a handle forwards (see sandman_ray.client for their arguments).
-FORWARDED = ("ping", "info", "exec", "run", "session_open", "session_close", "session_list",
-             "spawn", "proc_status", "proc_list", "proc_output", "proc_wait", "proc_signal",
-             "read_file", "write_file", "stat", "list_dir", "mkdir", "remove", "move",
-             "get_archive", "put_archive")
+# The daemon operations a handle forwards: the public ops of the daemon's op table, each
+# to the client's method of the same name (see sandman_ray.client for their arguments).
+FORWARDED = tuple(op.name for op in OPS if op.public)
 # What a handle answers about itself, through its host.
 DESCRIBED = ("sandbox_id", "node_id")
 TOUCH_EVERY_S = 2.0  # how often a busy lease tells the pool it is in use

@@ -14,7 +14,8 @@ import pytest
 from sandman_ray import DaemonClient
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON = ROOT / "daemon" / "sandmand.py"
+# the daemon package, run as a directory (``python -I -S daemon/sandmand`` works too)
+DAEMON = ROOT / "daemon" / "sandmand"
 CACHE = ROOT / ".cache"
 TOKEN = "test-token-0123456789"
 

@@ -2,7 +2,7 @@
 Imports nothing but the daemon module, so that tests/unprivileged_agent.py (run as
 another user) can use it too."""
 
-from sandman_ray.daemon.sandmand import descendants
+from sandman_ray.daemon.sandmand.spawn import descendants
 
 
 def daemon_under(chain_pid: int) -> int:

@@ -26,10 +26,55 @@ def busybox_sandbox(bundle, busybox_rootfs, tmp_path):
 def test_bundle_holds_interpreter_loader_libraries_and_stdlib(bundle):
     meta = json.loads((bundle / "BUNDLE.json").read_text())
     assert meta["mount"] == "/.sandman"
-    for rel in ("bin/python3", "bin/sandmand", "sandmand.py", "lib/" + meta["loader"],
+    for rel in ("bin/python3", "bin/sandmand", "sandmand.pyz", "lib/" + meta["loader"],
                 "lib/libc.so.6", "lib/python%s.zip" % meta["version"].replace(".", "")):
         assert (bundle / rel).is_file(), rel
     assert bundle_size(bundle) < 40e6
+
+
+def test_bundle_holds_every_module_of_the_daemon_package_compiled(bundle):
+    import marshal
+    import zipfile
+    from sandman_ray.bundle import DAEMON_PACKAGE
+    meta = json.loads((bundle / "BUNDLE.json").read_text())
+    modules = {"sandmand/%s" % p.relative_to(DAEMON_PACKAGE).with_suffix(".pyc").as_posix()
+               for p in DAEMON_PACKAGE.rglob("*.py")}
+    assert len(modules) > 10
+    stdlib = zipfile.ZipFile(bundle / "lib" / ("python%s.zip" % meta["version"].replace(".", "")))
+    assert modules <= set(stdlib.namelist())
+    zipapp = set(zipfile.ZipFile(bundle / "sandmand.pyz").namelist())
+    assert modules | {"__main__.py", "__main__.pyc"} <= zipapp
+    # and the launcher's pack: module names, the package's __init__ as the package
+    _boot, pack = marshal.loads((bundle / "lib" / "sandmand.pack").read_bytes())
+    assert {name.replace(".", "/") + ("/__init__" if is_package else "") + ".pyc"
+            for name, (is_package, _code) in pack.items()} == modules
+
+
+@pytest.mark.parametrize("form", [["sandmand.pyz"], ["-m", "sandmand"]])
+def test_the_explicit_loader_forms_start_the_daemon(bundle, tmp_path, form):
+    """``ld-linux --library-path lib bin/python3 -IS sandmand.pyz`` (or ``-m sandmand``)
+    serves without patchelf's paths: here from where the bundle was built."""
+    import subprocess
+    meta = json.loads((bundle / "BUNDLE.json").read_text())
+    ready_r, ready_w = os.pipe()
+    argv = [str(bundle / "lib" / meta["loader"]), "--library-path", str(bundle / "lib"),
+            str(bundle / "bin" / "python3"), "-IS"]
+    argv += [str(bundle / form[0])] if form[0].endswith(".pyz") else form
+    proc = subprocess.Popen(argv + ["--listen", "unix:%s/s.sock" % tmp_path, "--ready-fd",
+                                    str(ready_w)], pass_fds=(ready_w,),
+                            env={"PATH": "/usr/bin:/bin", "SANDMAN_TOKEN": "t" * 16})
+    os.close(ready_w)
+    try:
+        with os.fdopen(ready_r) as fh:
+            address = fh.readline().strip()
+        with DaemonClient(address, "t" * 16, default_timeout=30) as client:
+            assert client.exec("echo up").stdout == b"up\n"
+            client.shutdown()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_busybox_image_has_neither_python_nor_libc(busybox_rootfs):

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sandman_ray.daemon.sandmand import (
+from sandman_ray.daemon.sandmand.wire import (
     MAX_FRAME, CodecError, FrameReader, encode_frame, pack_native, unpack_native)
 
 scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)

@@ -66,7 +66,7 @@ def test_missing_paths_and_bad_paths_get_clear_errors(client):
     with pytest.raises(DaemonError, match="NUL"):
         client.stat("/tmp/a\0b")
     with pytest.raises(DaemonError, match="'path' must be str"):
-        client._call("file_stat", {"path": 5})
+        client._call("stat", {"path": 5})
     with pytest.raises(DaemonError, match="must not be negative"):
         client.read_file("/etc/hostname", offset=-1)
     with pytest.raises(DaemonError) as err:

@@ -13,7 +13,7 @@ import pytest
 
 from sandman_ray import (AsyncDaemonClient, AuthError, ConnectionLost, DaemonClient, DaemonError,
                          ProtocolError)
-from sandman_ray.daemon.sandmand import MAX_FRAME, encode_frame
+from sandman_ray.daemon.sandmand.wire import MAX_FRAME, PROTOCOL_VERSION, encode_frame
 from conftest import DaemonProcess, TOKEN, wait_until
 
 
@@ -22,7 +22,7 @@ def raw_socket(daemon, hello=True):
     sock.settimeout(10)
     sock.connect(daemon.address.split(":", 1)[1])
     if hello:
-        sock.sendall(encode_frame({"op": "hello", "token": TOKEN, "version": 1, "id": 0}))
+        sock.sendall(encode_frame({"op": "hello", "token": TOKEN, "version": PROTOCOL_VERSION, "id": 0}))
         assert read_frame(sock)["ok"]
     return sock
 
@@ -58,7 +58,7 @@ def daemon_still_serves(daemon):
 def test_ping_and_info(client):
     assert client.ping() is None
     info = client.info()
-    assert info["protocol"] == 1 and info["pid"] > 0 and "rlimits" in info["limits"]
+    assert info["protocol"] == PROTOCOL_VERSION and info["pid"] > 0 and "rlimits" in info["limits"]
     assert "nofile" in info["limits"]["rlimits"]
 
 
@@ -119,10 +119,14 @@ def test_unknown_op_and_bad_ids_get_errors_and_the_connection_stays(daemon):
 def test_wrong_field_types_name_the_field(client):
     cases = [("exec", {"cmd": 5}, "'cmd' must be str or list"),
              ("exec", {"cmd": "true", "stream": "yes"}, "'stream' must be bool"),
-             ("session_run", {"cmd": ["ls"]}, "'cmd' must be str"),
-             ("file_read", {"path": "/etc/hostname", "length": 1.5}, "'length' must be int"),
+             ("run", {"cmd": ["ls"]}, "'cmd' must be str"),
+             ("read_file", {"path": "/etc/hostname", "length": 1.5}, "'length' must be int"),
              ("proc_status", {"pid": True}, "'pid' must be int, got bool"),
-             ("exec", {"cmd": "true", "max_output": 1 << 40}, "'max_output' must be in")]
+             ("exec", {"cmd": "true", "max_output": 1 << 40}, "'max_output' must be in"),
+             ("exec", {"cmd": "true", "kill_grace": 1}, "'kill_grace' is not a field of exec"),
+             ("proc_status", {}, "field 'pid' is required"),
+             ("write_file", {"path": "/tmp/x", "data": None}, "field 'data' is required"),
+             ("proc_signal", {"pid": 1, "signal": 1.5}, "'signal' must be int or str")]
     for op, fields, message in cases:
         with pytest.raises(DaemonError, match=message):
             client._call(op, dict(fields))

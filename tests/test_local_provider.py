@@ -112,7 +112,7 @@ def test_writes_stay_in_their_sandbox(provider, images, busybox_rootfs):
 
 def test_daemon_bundle_is_read_only_inside(provider, images):
     with Sandbox(provider, images["dir"]) as sb:
-        r = sb.client.exec("touch /.sandman/x; echo > /.sandman/sandmand.py")
+        r = sb.client.exec("touch /.sandman/x; echo > /.sandman/sandmand.pyz")
         assert r.exit_code != 0 and b"Read-only" in r.stderr
 
 

@@ -17,7 +17,7 @@ watch, with label selectors and resourceVersions) and behaves like a busy cluste
   in ``ErrImagePull`` / ``ImagePullBackOff``, nodes listed in ``stuck_nodes`` never start
   their containers, every container takes ``start_s`` to start;
 - each running pod has its own loopback address (127.x.y.z) as pod IP, where its
-  daemon listens: a real ``sandmand.py`` process per pod (``daemons="real"``, small
+  daemon listens: a real ``sandmand`` process per pod (``daemons="real"``, small
   scale: real commands, no isolation), or one in-process responder that answers the
   hello, ping and a trivial exec for every pod (``daemons="simulated"``, thousands of
   pods).

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-DAEMON_SCRIPT = ROOT / "daemon" / "sandmand.py"
+DAEMON_SCRIPT = ROOT / "daemon" / "sandmand"  # the package, run as a directory
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SimConfig:
     stuck_nodes: List[str] = field(default_factory=list)  # containers never start there
     slow_creates: int = 0              # the next N creates are stored at once ...
     slow_create_s: float = 0.0         # ... but answered only after this long
-    daemons: str = "simulated"         # "real": a sandmand.py process per pod
+    daemons: str = "simulated"         # "real": a sandmand process per pod
     daemon_port: int = 7000
     history: int = 200000              # watch events kept for resourceVersion replays
 
@@ -293,7 +293,7 @@ class SimCluster:
 
     async def _start_real_daemon(self, key, pod: dict, ip: str) -> None:
         """The pod's daemon as a host process on the pod's address: its command line with
-        ``/.sandman/bin/sandmand`` replaced by this checkout's sandmand.py, and its
+        ``/.sandman/bin/sandmand`` replaced by this checkout's daemon package, and its
         environment (the token)."""
         container = pod["spec"]["containers"][0]
         args = list(container.get("args") or [])
@@ -318,7 +318,8 @@ class SimCluster:
 
     # ---- the simulated daemons: one responder for every pod's address
     async def simulated_daemon(self, reader, writer) -> None:
-        from sandman_ray.daemon.sandmand import FrameReader, encode_frame, unpack
+        from sandman_ray.daemon.sandmand.wire import (
+            PROTOCOL_VERSION, FrameReader, encode_frame, unpack)
         ip = writer.get_extra_info("sockname")[0]
         key = self.by_ip.get(ip)
         frames = FrameReader()
@@ -339,7 +340,7 @@ class SimCluster:
                                 "type": "AuthError", "message": "bad token"}}))
                             return
                         authed = True
-                        reply = {"version": 1, "pid": 1, "python": "simulated"}
+                        reply = {"version": PROTOCOL_VERSION, "pid": 1, "python": "simulated"}
                     elif op == "ping":
                         reply = {}
                     elif op == "exec":

@@ -1,0 +1,106 @@
+"""sandmand: the daemon that runs inside a sandbox.
+
+Usage::
+
+    python -m sandmand | python daemon/sandmand | python sandmand.pyz
+                --listen unix:/run/sandman/sock | tcp:HOST:PORT | fd:N
+                [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable;
+                                                      the file is removed once read)
+                [--workdir DIR] [--ready-fd N] [--max-output BYTES]
+                [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
+                [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
+                [--oom-counter FILE]    (the sandbox's cgroup OOM kill count: v2
+                                         memory.events or v1 memory.oom_control; else
+                                         the first of OOM_COUNTERS that can be read)
+
+--user drops to that uid/gid once listening (the socket is handed to it too);
+--limits records the limits the launcher applied, reported by ``info``.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # run as a directory (python daemon/sandmand): the package is imported from the
+    # directory above, and this file's relative imports resolve in it (PEP 366; no
+    # spec: it would name another package)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__, __spec__ = "sandmand", None
+
+from .daemon import OOM_COUNTERS, Daemon, oom_kills  # noqa: E402
+from .wire import DEFAULT_OUTPUT_CAP, HELLO_TIMEOUT_S  # noqa: E402
+
+
+def parse_args(argv):
+    opts = {"listen": None, "token_file": None, "token_fd": None, "workdir": None,
+            "ready_fd": None,
+            "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
+            "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None}
+    it = iter(argv)
+    for arg in it:
+        key, sep, value = arg.partition("=")
+        name = key.lstrip("-").replace("-", "_")
+        if not key.startswith("--") or name not in opts:
+            raise SystemExit("sandmand: unknown argument %r\n%s" % (arg, __doc__))
+        if not sep:
+            value = next(it, None)
+            if value is None:
+                raise SystemExit("sandmand: %s needs a value" % key)
+        opts[name] = value
+    if opts["listen"] is None:
+        raise SystemExit("sandmand: --listen is required\n%s" % __doc__)
+    return opts
+
+
+def main(argv=None):
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    if opts["token_file"]:  # read once, then removed: nothing started later finds it
+        with open(opts["token_file"], "r") as fh:
+            token = fh.read(4096).strip()
+        try:
+            os.unlink(opts["token_file"])
+        except OSError:
+            pass  # a read-only mount (a secret volume): the launcher keeps it from others
+    elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
+        with os.fdopen(int(opts["token_fd"]), "rb") as fh:
+            token = fh.read(4096).decode("ascii", "replace").strip()
+    else:
+        token = os.environ.get("SANDMAN_TOKEN", "")
+    for key in [k for k in os.environ if k.startswith("SANDMAN_")]:
+        del os.environ[key]
+    if not token:
+        raise SystemExit("sandmand: no token (give --token-file or SANDMAN_TOKEN)")
+    ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
+    listen_fd = int(opts["listen"][3:]) if opts["listen"].startswith("fd:") else None
+    _close_inherited(keep=(ready_fd, listen_fd))
+    workdir = opts["workdir"] or os.getcwd()
+    os.chdir(workdir)
+    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
+    daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")
+                                 if item)
+    try:
+        daemon.socket_mode = int(opts["socket_mode"], 8) & 0o777
+    except ValueError:
+        raise SystemExit("sandmand: --socket-mode must be octal, got %r" % opts["socket_mode"])
+    if opts["user"]:
+        uid, _, gid = opts["user"].partition(":")
+        daemon.user = (int(uid), int(gid or uid))
+    counters = [opts["oom_counter"]] if opts["oom_counter"] else OOM_COUNTERS
+    daemon.oom_counter = next((c for c in counters if oom_kills(c) is not None), None)
+    daemon.run(opts["listen"], ready_fd)
+
+
+def _close_inherited(keep):
+    """Close every descriptor the launcher left open (beyond stdio and those in
+    ``keep``): the daemon holds nothing it did not open itself."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed meanwhile
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""A client connection: frames in, replies and events out, many requests in flight;
+the hello, and the dispatch of every later request to the op that answers it."""
+
+import os
+import sys
+
+try:
+    from _operator import _compare_digest as _tokens_equal
+except ImportError:  # pragma: no cover - every CPython has it
+    from hmac import compare_digest as _tokens_equal
+
+from .fields import RequestError, check_fields, error_body
+from .loop import CancelledError, Event
+from .wire import (
+    HELLO_MAX_FRAME, MAX_FRAME, MAX_IN_FLIGHT, PROTOCOL_VERSION, CodecError, FrameReader,
+    encode_frame, unpack)
+
+WRITE_HIGH_WATER = 4 * 1024 * 1024  # queued reply bytes past which we stop reading
+
+
+def refuse(sock, kind, message):
+    """Tell a connection we will not serve why, and close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(encode_frame({"id": None, "ok": False, "error": {"type": kind,
+                                                                   "message": message}}))
+    except OSError:
+        pass
+    sock.close()
+
+
+class Connection:
+    """One client connection: frames in, replies and events out, many in flight. A
+    client that does not read its replies is not read from either (backpressure)."""
+
+    def __init__(self, daemon, sock):
+        self.daemon, self.loop, self.sock = daemon, daemon.loop, sock
+        self.fd = sock.fileno()
+        self.reader = FrameReader(HELLO_MAX_FRAME)  # a client proves itself first
+        self.out = bytearray()
+        self.authed = False
+        self.uploads = {}  # upload id -> (target path, spool file)
+        self.closing = False
+        self.closed = False
+        self.inflight = {}  # request id -> Reply
+        self.writable = Event(self.loop)
+        self.writable.set()
+        sock.setblocking(False)
+        daemon.connections.add(self)
+        daemon.unauthenticated += 1
+        self.loop.add_reader(self.fd, self._readable)
+        self.hello_timer = self.loop.call_later(daemon.hello_timeout_s, self._no_hello)
+
+    # ---- bytes
+    def _readable(self):
+        try:
+            n = self.sock.recv_into(self.daemon.recv_buffer)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n:
+            # a view of the daemon's one receive buffer (a fresh 256 KiB bytes object per
+            # recv costs an allocation and page faults on every request); the frames are
+            # decoded before the next recv
+            self.data_received(self.daemon.recv_view[:n])
+        else:
+            self.close()
+
+    def write(self, data):
+        if self.closed:
+            return
+        if not self.out:
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.close()
+                return
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+            self.loop.add_writer(self.fd, self._flush)
+        self.out += data
+        if len(self.out) > WRITE_HIGH_WATER and self.writable.is_set():
+            self.writable.clear()
+            self.loop.remove_reader(self.fd)
+
+    def _flush(self):
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        del self.out[:sent]
+        if not self.out:
+            self.loop.remove_writer(self.fd)
+            if self.closing:
+                self.close()
+                return
+        if len(self.out) <= WRITE_HIGH_WATER // 2 and not self.writable.is_set():
+            self.writable.set()
+            if not self.closing:
+                self.loop.add_reader(self.fd, self._readable)
+
+    def close(self):
+        """Close now (queued replies are dropped); see ``close_after_flush``."""
+        if self.closed:
+            return
+        self.closed = self.closing = True
+        self.loop.remove_reader(self.fd)
+        self.loop.remove_writer(self.fd)
+        self.sock.close()
+        self.daemon.connections.discard(self)
+        if not self.authed:
+            self.daemon.unauthenticated -= 1
+        for upload_id in list(self.uploads):
+            self.drop_upload(upload_id)[1].close()
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        for reply in list(self.inflight.values()):
+            reply.cancel()
+        self.writable.set()
+
+    def upload(self, req):
+        upload = self.uploads.get(req["upload"])
+        if upload is None:
+            raise RequestError("UploadNotFound", "no open upload %r on this connection"
+                               % (req.get("upload"),))
+        return upload
+
+    def drop_upload(self, upload_id):
+        self.daemon.uploads -= 1
+        return self.uploads.pop(upload_id)
+
+    def close_after_flush(self):
+        self.closing = True
+        self.loop.remove_reader(self.fd)
+        if not self.out:
+            self.close()
+
+    # ---- frames
+    def _no_hello(self):
+        self._fail("ProtocolError", "no hello within %.1f s" % self.daemon.hello_timeout_s)
+
+    def _fail(self, kind, message):
+        """Answer a protocol violation and close: the stream can no longer be trusted."""
+        if not self.closing:
+            self.send({"id": None, "ok": False, "error": {"type": kind, "message": message}})
+            self.close_after_flush()
+
+    def send(self, msg):
+        if self.closing:
+            return
+        try:
+            frame = encode_frame(msg)
+        except CodecError as exc:
+            frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
+                "type": "InternalError", "message": "reply not encodable: %s" % exc}})
+        if len(frame) > MAX_FRAME + 4:  # no client could take it: say so instead
+            frame = encode_frame({"id": msg.get("id"), "ok": False, "error": {
+                "type": "ReplyTooLarge", "message": "the reply of %d bytes exceeds the frame "
+                "limit of %d; ask for less" % (len(frame) - 4, MAX_FRAME)}})
+        self.write(frame)
+
+    def data_received(self, data):
+        try:
+            # before the hello, one frame at a time: what follows it may be larger
+            frames = self.reader.feed(data, one=not self.authed)
+        except CodecError as exc:
+            self._fail("ProtocolError", str(exc))
+            return
+        for body in frames:
+            if self.closing:
+                return
+            try:
+                req = unpack(body)
+            except CodecError as exc:
+                self._fail("ProtocolError", "undecodable frame: %s" % exc)
+                return
+            if not isinstance(req, dict):
+                self._fail("ProtocolError", "a frame must hold a map, got %s" % type(req).__name__)
+                return
+            if not self.authed:
+                self._hello(req)
+                if self.authed and self.reader.buf:
+                    self.data_received(b"")  # what came with the hello
+            else:
+                self._dispatch(req)
+
+    def _hello(self, req):
+        token = req.get("token")
+        if req.get("op") != "hello":
+            self._fail("AuthError", "the first frame must be a hello")
+            return
+        if not isinstance(token, str) or not _tokens_equal(token.encode(), self.daemon.token.encode()):
+            self._fail("AuthError", "wrong token")
+            return
+        if req.get("version") != PROTOCOL_VERSION:
+            self._fail("ProtocolError", "unsupported protocol version %r (this daemon speaks %d)"
+                       % (req.get("version"), PROTOCOL_VERSION))
+            return
+        self.authed = True
+        self.daemon.unauthenticated -= 1
+        self.reader.max_frame = MAX_FRAME
+        self.hello_timer.cancel()
+        self.hello_timer = None
+        self.send({"id": req.get("id"), "ok": True,
+                   "result": {"version": PROTOCOL_VERSION, "pid": os.getpid(),
+                              "python": sys.version.split()[0]}})
+
+    def _dispatch(self, req):
+        rid = req.get("id")
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            self.send({"id": None, "ok": False, "error": {
+                "type": "BadRequest", "message": "field 'id' must be an int"}})
+            return
+        op = req.get("op")
+        handler = self.daemon.handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "UnknownOp", "message": "unknown op %r" % (op,)}})
+            return
+        method, kind, schema = handler
+        try:
+            check_fields(req, schema)
+        except RequestError as exc:
+            self.send({"id": rid, "ok": False, "error": error_body(exc)})
+            return
+        if kind in ("sync", "conn"):
+            try:
+                result = method(self.daemon, req) if kind == "sync" else \
+                    method(self.daemon, req, self)
+            except Exception as exc:
+                self.send({"id": rid, "ok": False, "error": error_body(exc)})
+            else:
+                self.send({"id": rid, "ok": True, "result": result})
+            return
+        if rid in self.inflight:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "BadRequest", "message": "request id %d is already in flight" % rid}})
+            return
+        if len(self.inflight) >= MAX_IN_FLIGHT:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "LimitExceeded", "message": "%d requests in flight" % MAX_IN_FLIGHT}})
+            return
+        reply = self.inflight[rid] = Reply(self, rid)
+        if kind == "callback":
+            try:
+                method(self.daemon, req, reply)
+            except Exception as exc:
+                reply.fail(exc)
+            return
+        args = (self.daemon, req, reply) if kind == "stream" else (self.daemon, req)
+        task = self.loop.create_task(_answer(reply, method(*args)))
+        reply.on_cancel = task.cancel
+
+
+class Reply:
+    """The answer to one request in flight: events, then exactly one ok or error."""
+
+    __slots__ = ("conn", "rid", "on_cancel", "done")
+
+    def __init__(self, conn, rid):
+        self.conn, self.rid = conn, rid
+        self.on_cancel = None
+        self.done = False
+
+    def event(self, name, data):
+        self.conn.send({"id": self.rid, "event": name, "data": data})
+
+    def ok(self, result):
+        self._finish({"id": self.rid, "ok": True, "result": result})
+
+    def fail(self, exc):
+        self._finish({"id": self.rid, "ok": False, "error": error_body(exc)})
+
+    def _finish(self, msg):
+        if not self.done:
+            self.done = True
+            self.conn.inflight.pop(self.rid, None)
+            self.conn.send(msg)
+
+    def cancel(self):
+        if not self.done and self.on_cancel is not None:
+            self.on_cancel()
+
+    def abandon(self):
+        """No answer will be sent: the client went away."""
+        self.done = True
+        self.conn.inflight.pop(self.rid, None)
+
+
+async def _answer(reply, coro):
+    """Run ``coro`` and send its result, or its error, as the reply."""
+    try:
+        result = await coro
+    except CancelledError:  # the client went away
+        reply.abandon()
+    except Exception as exc:
+        reply.fail(exc)
+    else:
+        reply.ok(result)

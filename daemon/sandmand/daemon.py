@@ -1,0 +1,370 @@
+"""The Daemon: the state every op shares (sessions, processes, connections, the
+sandbox's environment), and its lifecycle: listen, accept, serve, stop everything."""
+
+import errno
+import os
+import sys
+import time
+
+import _signal as signal  # the C module: signal.py would import enum (~10 ms)
+import _socket            # likewise socket.py
+
+from .connection import Connection, refuse
+from .fields import number_field
+from .loop import Loop, resolve_once, wait_all
+from .ops.exec import ExecOps
+from .ops.files import FileOps
+from .ops.procs import ProcessOps
+from .ops.sessions import SessionOps
+from .spawn import (
+    HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, signal_tree)
+from .wire import (
+    DEFAULT_KILL_GRACE_S, HELLO_TIMEOUT_S, KILL_SETTLE_S, MAX_UNAUTHENTICATED, OPS,
+    PROTOCOL_VERSION)
+
+
+# Where a container (a cgroup namespace of its own) sees its memory cgroup's counters.
+OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
+
+def oom_kills(path):
+    """The OOM kill count in a cgroup's ``memory.events`` (v2) or ``memory.oom_control``
+    (v1) at ``path``; None if it cannot be read."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            for line in fh.read(4096).splitlines():
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
+    """The daemon's state, its lifecycle and the ops of the daemon itself (ping, info,
+    shutdown); the other ops come from the mixins of ops/."""
+
+    def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S):
+        self.token = token
+        self.hello_timeout_s = hello_timeout_s
+        self.workdir = workdir
+        self.default_cap = default_cap
+        self.started = time.time()
+        self.env = base_environment()
+        self.env_list = encode_env(self.env)  # as a spawn takes it (self.env never changes)
+        self.path = self.env["PATH"]
+        os.environ["PATH"] = self.path  # what posix_spawnp searches
+        self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # see _refuse_one
+        self.loop = None
+        self.children = None
+        self.sessions = {}
+        self.procs = {}
+        self.uploads = 0  # open on all connections (each holds its own)
+        self.next_upload = 1
+        self.server = None
+        self.socket_path = None
+        self.stopping = None
+        self.connections = set()
+        self.unauthenticated = 0  # of those, the ones that have not said hello
+        self.applied_limits = {}
+        self.user = None  # (uid, gid) to drop to once listening
+        self.socket_mode = 0o600
+        self.oom_counter = None  # a file with the sandbox's OOM kill count, if any
+        self.recv_buffer = bytearray(262144)
+        self.recv_view = memoryview(self.recv_buffer)
+
+    # ---- lifecycle
+    def run(self, listen, ready_fd):
+        """Serve until shutdown, SIGTERM or SIGINT; then stop every process."""
+        self.loop = Loop()
+        self.stopping = self.loop.create_future()
+        self.children = Children(self.loop)
+        if os.getpid() == 1 or not HAS_PIDFD:
+            # As PID 1 we must reap orphans; without pidfds SIGCHLD is how we learn of
+            # exits. Otherwise each child's pidfd suffices, and skipping SIGCHLD saves
+            # two loop wake-ups per command.
+            self.loop.add_signal_handler(signal.SIGCHLD, self.children.reap)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.request_stop, 0.5)
+        self.children.reap()  # anything that exited before the handler was installed
+        address = self._listen(listen)
+        if self.user is not None:
+            self._drop_privileges()
+        if ready_fd is not None:
+            os.write(ready_fd, (address + "\n").encode())
+            os.close(ready_fd)
+        self.loop.run_until(self.stopping)
+        self.loop.run_until(self.loop.create_task(self._stop_everything()))
+
+    def _listen(self, listen):
+        kind, _, where = listen.partition(":")
+        if kind == "fd":
+            # a socket its launcher bound and listens on: outside the sandbox's reach,
+            # it cannot be moved aside or replaced from inside
+            sock = _socket.socket(-1, -1, -1, int(where))
+            name = sock.getsockname()
+            address = "unix:" + name if isinstance(name, str) else "tcp:%s:%d" % name[:2]
+            kind = "unix" if isinstance(name, str) else "tcp"
+        elif kind == "unix":
+            # Bound and listening under a temporary name, then renamed: whoever sees
+            # the socket's path can connect (a launcher outside the sandbox may wait for
+            # the path to appear).
+            building = where + ".new"
+            try:
+                os.unlink(building)
+            except FileNotFoundError:
+                pass
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            old = os.umask(0o077)  # the socket is born 0600: only its owner may connect
+            try:
+                sock.bind(building)
+            finally:
+                os.umask(old)
+            os.chmod(building, self.socket_mode)
+            if self.user is not None:
+                os.chown(building, self.user[0], self.user[1])
+            sock.listen(1024)
+            os.rename(building, where)
+            self.socket_path = where
+            address = "unix:" + where
+        elif kind == "tcp":
+            host, _, port = where.rpartition(":")
+            sock = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            sock.bind((host or "127.0.0.1", int(port)))
+            bound = sock.getsockname()
+            address = "tcp:%s:%d" % (bound[0], bound[1])
+        else:
+            raise SystemExit("sandmand: --listen must be unix:PATH, tcp:HOST:PORT or fd:N, "
+                             "got %r" % listen)
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.server = sock
+        self.tcp = kind == "tcp"
+        self.loop.add_reader(sock.fileno(), self._accept)
+        return address
+
+    def _accept(self):
+        while True:
+            try:
+                fd, _ = self.server._accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._refuse_one():
+                    continue
+                return  # the client already left, or no one is waiting
+            sock = _socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd)
+            if self.unauthenticated >= MAX_UNAUTHENTICATED:
+                refuse(sock, "LimitExceeded", "%d connections are waiting to say hello"
+                        % self.unauthenticated)
+                continue
+            if self.tcp:
+                sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+            Connection(self, sock)
+
+    def _refuse_one(self):
+        """Out of fds: accept one waiting connection on the fd kept spare for this, tell
+        it why and close it; whether there was one (accept fails with EMFILE whether or
+        not a connection waits). The client learns at once instead of at its hello
+        timeout, and the listening socket, left readable, would wake the loop without
+        end."""
+        if self.spare_fd is None:
+            return False
+        os.close(self.spare_fd)
+        self.spare_fd = None
+        try:
+            fd, _ = self.server._accept()
+        except OSError:
+            fd = None
+        if fd is not None:
+            refuse(_socket.socket(self.server.family, _socket.SOCK_STREAM, 0, fd),
+                    "LimitExceeded", "the daemon is out of file descriptors (%d "
+                    "connections open)" % len(self.connections))
+        self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return fd is not None
+
+    def _drop_privileges(self):
+        uid, gid = self.user
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+    def request_stop(self, grace_s):
+        if not self.stopping.done():
+            self.stopping.set_result(grace_s)
+
+    async def _stop_everything(self):
+        grace = self.stopping.result()
+        self.loop.remove_reader(self.server.fileno())
+        self.server.close()
+        for conn in list(self.connections):
+            conn.close()
+        pids = [s.pid for s in self.sessions.values() if s.alive]
+        pids += [p.pid for p in self.procs.values() if p.running]
+        pids += list(self.children.waiting)
+        pid1 = os.getpid() == 1
+        if pid1:  # forward TERM to everything else that lives in the sandbox
+            kill_all(signal.SIGTERM)
+        await self.terminate(pids, grace)
+        if pid1:
+            kill_all(signal.SIGKILL)
+        if self.socket_path is not None:
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+
+    async def terminate(self, pids, grace_s):
+        """TERM the process groups and descendants of ``pids``; KILL what is left after
+        the grace. A pid already reaped is only addressed as a process group (which
+        keeps its id reserved while any member lives), never as a single pid."""
+        waiting = self.children.waiting
+        trees = {pid: signal_tree(pid, signal.SIGTERM, alive=pid in waiting) for pid in pids}
+        pending = [waiting[p] for p in pids if p in waiting]
+        if pending:
+            await wait_all(self.loop, pending, grace_s)
+        for pid, tree in trees.items():
+            for target in tree:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+            signal_tree(pid, signal.SIGKILL, alive=pid in waiting)
+        # Killed processes that are not our children exit a moment later, and nothing
+        # tells us when: look in /proc until they are gone (bounded), so that a caller
+        # told "timed out" finds nothing of the command left.
+        remaining = [t for tree in trees.values() for t in tree]
+        deadline = time.monotonic() + KILL_SETTLE_S
+        while remaining and time.monotonic() < deadline:
+            remaining = [t for t in remaining if process_exists(t)]
+            if remaining:
+                await self._tick()
+        if os.getpid() == 1:
+            # As the sandbox's reaper, also wait for every member of the commands'
+            # process groups (each command leads its own), including those forked after
+            # the tree was read (a fork bomb), and reap them: until then they hold slots
+            # of the sandbox's pids limit, and the next command could not start.
+            groups = list(pids)
+            deadline = time.monotonic() + KILL_SETTLE_S
+            while groups and time.monotonic() < deadline:
+                self.children.reap()
+                groups = [g for g in groups if group_exists(g)]
+                for group in groups:
+                    try:
+                        os.killpg(group, signal.SIGKILL)
+                    except OSError:
+                        pass
+                if groups:
+                    await self._tick()
+
+    async def _tick(self):
+        tick = self.loop.create_future()
+        self.loop.call_later(0.005, resolve_once, tick)
+        await tick
+
+    # ---- the daemon's own ops
+    def op_ping(self, req):
+        return None
+
+    def op_info(self, req):
+        return {
+            "pid": os.getpid(), "pid1": os.getpid() == 1,
+            "uptime_s": time.time() - self.started,
+            "python": sys.version.split()[0],
+            "os_release": read_os_release(),
+            "hostname": _socket.gethostname(),
+            "uid": os.getuid(), "gid": os.getgid(),
+            "workdir": self.workdir,
+            "cpu_count": os.cpu_count(),
+            "limits": dict(read_limits(), applied=self.applied_limits),
+            "sessions": sorted(self.sessions),
+            "processes": sum(1 for p in self.procs.values() if p.running),
+            "protocol": PROTOCOL_VERSION,
+        }
+
+    async def op_shutdown(self, req):
+        grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
+        self.loop.call_soon(self.request_stop, grace)
+        return None
+
+    # ---- the sandbox's OOM kill counter
+    def oom_count(self):
+        """The sandbox's OOM kill count now (None without a counter)."""
+        return oom_kills(self.oom_counter)
+
+    def oom_killed_since(self, before):
+        """Whether the kernel's OOM killer killed a process of the sandbox since the count
+        was ``before``: the command, one of its children, or any other process of the
+        sandbox killed meanwhile (the counter is the sandbox's, not the command's)."""
+        if before is None:
+            return False
+        after = oom_kills(self.oom_counter)
+        return after is not None and after > before
+
+
+def read_os_release():
+    info = {}
+    for path in ("/etc/os-release", "/usr/lib/os-release"):
+        try:
+            with open(path, "r", encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    key, sep, value = line.strip().partition("=")
+                    if sep and not key.startswith("#"):
+                        info[key] = value.strip().strip("'\"")
+            break
+        except OSError:
+            continue
+    return info
+
+
+def read_limits():
+    """What this sandbox is limited by, as seen from inside: rlimits and cgroup files."""
+    import resource
+    rlimits = {}
+    for name in ("AS", "CPU", "NOFILE", "NPROC", "FSIZE", "DATA", "STACK"):
+        soft, hard = resource.getrlimit(getattr(resource, "RLIMIT_" + name))
+        rlimits[name.lower()] = [None if soft == resource.RLIM_INFINITY else soft,
+                                 None if hard == resource.RLIM_INFINITY else hard]
+    cgroup = {}
+    for key, path in (("memory_max", "/sys/fs/cgroup/memory.max"),
+                      ("memory_max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                      ("pids_max", "/sys/fs/cgroup/pids.max"),
+                      ("pids_max", "/sys/fs/cgroup/pids/pids.max"),
+                      ("cpu_max", "/sys/fs/cgroup/cpu.max"),
+                      ("cpu_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us")):
+        try:
+            with open(path) as fh:
+                cgroup.setdefault(key, fh.read().strip())
+        except OSError:
+            continue
+    return {"rlimits": rlimits, "cgroup": cgroup}
+
+
+def base_environment():
+    """The environment the daemon was started with, read from /proc/self/environ: the
+    interpreter may have added variables (locale coercion sets LC_CTYPE) that commands
+    in the sandbox must not inherit. SANDMAN_* variables (the token) are removed."""
+    try:
+        with open("/proc/self/environ", "rb") as fh:
+            raw = fh.read()
+        env = {}
+        for item in raw.split(b"\0"):
+            key, sep, value = item.partition(b"=")
+            if sep:
+                env[os.fsdecode(key)] = os.fsdecode(value)
+    except OSError:
+        env = dict(os.environ)
+    for key in [k for k in env if k.startswith("SANDMAN_")]:
+        del env[key]
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return env
+
+
+# The dispatch table: every op of the wire's table that the daemon answers, with the
+# method that answers it, its kind and its schema (checked before the method runs).
+Daemon.handlers = {op.name: (getattr(Daemon, "op_" + op.name), op.kind, op)
+                   for op in OPS if op.kind not in ("hello", "composite")}

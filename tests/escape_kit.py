@@ -1,0 +1,105 @@
+"""What the escape suite's modules share: the sandboxes they attack (LocalProvider
+sandboxes of the default image, the ``host`` image and a busybox rootfs, each in a user
+namespace of its own; DockerProvider containers of the busybox image on a Podman API
+service that the module using them starts) and small helpers."""
+
+import contextlib
+import os
+import shutil
+import uuid
+
+import pytest
+
+from conftest import Sandbox
+
+IMAGES = ("default", "host", "busybox")
+BOXES = IMAGES + ("docker",)  # and a DockerProvider container of the busybox image
+DOCKER_IMAGE = "localhost/sandman-escape/busybox:1"
+DOCKER_WORK = "/tmp/sandman-ray-test/escape-docker"
+
+
+@pytest.fixture(scope="module")
+def provider(local_provider):
+    return local_provider
+
+
+@pytest.fixture(scope="module")
+def engine(provider, busybox_rootfs):
+    """A Podman API service of this module's own (runc), the busybox image imported."""
+    with podman_with_busybox("podman", busybox_rootfs) as service:
+        yield service
+
+
+@contextlib.contextmanager
+def podman_with_busybox(name: str, busybox_rootfs, runtime: str = "runc"):
+    from sandman_ray.providers.docker.podman_service import PodmanService
+    if shutil.which("podman") is None:
+        pytest.fail("podman is missing: make test installs it (apt-get install podman)")
+    service = PodmanService(os.path.join(DOCKER_WORK, name), runtime=runtime).start()
+    try:
+        service.import_rootfs(busybox_rootfs, DOCKER_IMAGE)
+        yield service
+    finally:
+        service.stop()
+
+
+def new_docker_provider(engine):
+    from conftest import LOCAL_CACHE
+    from sandman_ray.providers.docker import DockerProvider
+    return DockerProvider(base_url=engine.base_url, state_root=os.path.join(DOCKER_WORK, "state"),
+                          cache_root=LOCAL_CACHE)
+
+
+@pytest.fixture(scope="module")
+def docker_provider(engine):
+    from conftest import run
+    provider = new_docker_provider(engine).bind("escape-%s" % uuid.uuid4().hex[:6])
+    yield provider
+    run(provider.shutdown())
+
+
+@pytest.fixture(scope="module")
+def boxes(provider, busybox_rootfs):
+    """One sandbox of each image, shared by the attacks that do not spoil it: the
+    default (builtin:debian), the host's files, a busybox rootfs."""
+    from sandman_ray.spec import DEFAULT_IMAGE
+    with Sandbox(provider, DEFAULT_IMAGE) as default, Sandbox(provider, "host") as host, \
+            Sandbox(provider, "dir:%s" % busybox_rootfs) as busybox:
+        yield {"default": default, "host": host, "busybox": busybox}
+
+
+@pytest.fixture(scope="module")
+def docker_box(docker_provider):
+    with Sandbox(docker_provider, DOCKER_IMAGE) as sb:
+        yield sb
+
+
+@pytest.fixture
+def box(request):
+    """The shared sandbox named by the test's parameter, with ``kind`` set to it."""
+    if request.param == "docker":
+        sb = request.getfixturevalue("docker_box")
+    else:
+        sb = request.getfixturevalue("boxes")[request.param]
+    sb.kind = request.param
+    return sb
+
+
+def busybox_like(sb) -> bool:
+    return sb.kind in ("busybox", "docker")
+
+
+def sh(sb, cmd: str) -> str:
+    r = sb.client.exec(["/bin/sh", "-c", cmd])
+    return (r.stdout + r.stderr).decode()
+
+
+def daemon_pid(sb) -> int:
+    """The host pid of the sandbox's daemon (PID 1 inside): its container's first
+    process, or the descendant of its launch chain whose command line names sandmand."""
+    if "container" in sb.info.details:
+        from sandman_ray.providers.docker.engine import engine_client
+        engine = engine_client(sb.info.details["engine"])
+        return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
+    from sandbox_pids import daemon_under
+    return daemon_under(sb.info.details["pid"])

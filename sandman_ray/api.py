@@ -17,7 +17,6 @@ from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
-POOL_RESTART_RETRIES = 20  # times a lease request is asked again of a restarting PoolActor
 BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn out gone
 
 _hosts: Dict[str, object] = {}  # node id ("" for anywhere) -> this process's HandleHost
@@ -111,13 +110,6 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
-def _request_lease(pool: str, spec: SpecLike, client: Optional[str], timeout: float):
-    """The pool's ``lease`` call (an ObjectRef), under a task name the Ray dashboard
-    shows."""
-    return _pool_for(pool).lease.options(name="sandman:lease:%s" % pool).remote(
-        SandboxSpec.of(spec), client or _client_id(), timeout)
-
-
 def _host(node_id: Optional[str]):
     """This process's HandleHost on ``node_id`` (anywhere for None), started once."""
     key = node_id or ""
@@ -142,28 +134,24 @@ def _forget_host(node_id: Optional[str], host) -> None:
 def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
             client: Optional[str] = None) -> SandboxHandle:
     """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
-    ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds."""
+    ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds.
+
+    One Ray call: this process's handle host on this node asks the pool for the lease,
+    naming itself as its holder, and connects to the sandbox. Only a sandbox it cannot
+    reach (a unix socket on another node) takes a second call, to the host there."""
     _pool_for(pool)  # no pool: fails here
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
-        lease = _lease(pool, spec, client, deadline)
-        host = _host(lease.node_id)
+        host, lease_id = _host(_this_node()), "L-" + uuid.uuid4().hex
         try:
-            ray.get(host.bind.remote(lease))
-            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+            held, lease = ray.get(_ask(host, pool, spec, client, deadline, lease_id),
+                                  timeout=max(deadline - time.monotonic(), 0) + 30)
         except BaseException as exc:
-            _after_failed_bind(lease, host, exc, attempt, deadline)
-
-
-def _lease(pool: str, spec: SpecLike, client: Optional[str], deadline: float):
-    for attempt in range(POOL_RESTART_RETRIES + 1):
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            return ray.get(_request_lease(pool, spec, client, left), timeout=left + 30)
-        except ray.exceptions.GetTimeoutError:
-            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
-        except BaseException as exc:
-            time.sleep(_retry_after(exc, attempt, deadline))
+            _after_failure(host, _this_node(), pool, lease_id, exc, attempt, deadline)
+            continue
+        handle = _handle_for(held, lease, host, attempt, deadline)
+        if handle is not None:
+            return handle
 
 
 async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
@@ -172,43 +160,76 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
     _pool_for(pool)
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
-        lease = await _lease_async(pool, spec, client, deadline)
-        host = _host(lease.node_id)
+        host, lease_id = _host(_this_node()), "L-" + uuid.uuid4().hex
         try:
-            await host.bind.remote(lease)
+            held, lease = await asyncio.wait_for(
+                _ask(host, pool, spec, client, deadline, lease_id),
+                max(deadline - time.monotonic(), 0) + 30)
+        except BaseException as exc:
+            _after_failure(host, _this_node(), pool, lease_id, exc, attempt, deadline)
+            continue
+        if held:
             return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
-        except BaseException as exc:
-            _after_failed_bind(lease, host, exc, attempt, deadline)
-
-
-async def _lease_async(pool: str, spec: SpecLike, client: Optional[str], deadline: float):
-    for attempt in range(POOL_RESTART_RETRIES + 1):
-        left = max(deadline - time.monotonic(), 0.001)
+        there = _host(lease.node_id)
         try:
-            return await asyncio.wait_for(_request_lease(pool, spec, client, left), left + 30)
-        except asyncio.TimeoutError:
-            raise AcquireTimeout("pool %s did not answer within %.0f s" % (pool, left + 30))
+            await there.bind.remote(lease)
+            return SandboxHandle(there, lease.lease_id, lease.sandbox_id, lease.node_id,
+                                 lease.pool)
         except BaseException as exc:
-            await asyncio.sleep(_retry_after(exc, attempt, deadline))
+            _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt, deadline)
 
 
-def _after_failed_bind(lease, host, exc: BaseException, attempt: int, deadline: float) -> None:
-    """A host could not take ``lease``; returns to ask for another lease, else raises.
-    A host that died for good is replaced and the lease given back to the pool. A
-    sandbox found gone (its node or agent just died; the host gave the lease back) is
-    replaced by another lease while the acquire has time. Otherwise (cancelled,
-    interrupted, or the pool failed during the bind) the host is asked to give the
-    lease back, whether or not it took it."""
+def _this_node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _ask(host, pool: str, spec: SpecLike, client: Optional[str], deadline: float,
+         lease_id: str):
+    """The host's ``acquire`` call (an ObjectRef), under a task name the Ray dashboard
+    shows; ``deadline`` (monotonic here) travels as wall-clock time (the host runs on
+    this node)."""
+    wall = time.time() + max(deadline - time.monotonic(), 0.001)
+    return host.acquire.options(name="sandman:acquire:%s" % pool).remote(
+        pool, SandboxSpec.of(spec), client or _client_id(), wall, lease_id)
+
+
+def _handle_for(held: bool, lease, host, attempt: int, deadline: float):
+    """The handle of a lease the host holds; one the host could not reach is bound
+    by the host of the sandbox's node (None: it was lost meanwhile, ask again)."""
+    if held:
+        return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+    there = _host(lease.node_id)
+    try:
+        ray.get(there.bind.remote(lease))
+        return SandboxHandle(there, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+    except BaseException as exc:
+        _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt, deadline)
+    return None
+
+
+def _after_failure(host, node: str, pool: str, lease_id: str, exc: BaseException,
+                   attempt: int, deadline: float) -> None:
+    """A host's acquire (or bind) of ``lease_id`` failed or was given up; returns to
+    ask again, else raises. A sandbox found gone (the host gave the lease back) is
+    replaced by another while the acquire has time; a host that died for good is
+    replaced and the request cancelled at the pool. Whatever else happened (cancelled,
+    interrupted, timed out, the pool's own error), the host cancels the request, so
+    that no lease is kept, whether or not it took it."""
     last = attempt + 1 >= BIND_ATTEMPTS or time.monotonic() >= deadline
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        exc = AcquireTimeout("pool %s did not answer the acquire in time" % pool)
     if isinstance(exc, ray.exceptions.ActorDiedError) \
             and not isinstance(exc, ray.exceptions.RayTaskError):  # the host, not the pool
-        _forget_host(lease.node_id, host)
+        _forget_host(node, host)
         try:
-            get_pool(lease.pool).release.remote(lease.lease_id)
+            get_pool(pool).cancel.remote(lease_id)
         except SandmanError:
             pass  # the pool is gone too
     elif not isinstance(exc, SandboxLost):
-        host.release.remote(lease.lease_id, lease.pool)
+        try:
+            host.cancel.remote(pool, lease_id)
+        except Exception:  # noqa: BLE001 - a dead host holds nothing; the pool reclaims
+            pass
         raise exc
     if last:
         raise exc
@@ -232,16 +253,6 @@ async def release_async(handle: SandboxHandle) -> None:
     except ray.exceptions.RayActorError as exc:
         if isinstance(exc, ray.exceptions.RayTaskError):
             raise
-
-
-def _retry_after(exc: BaseException, attempt: int, deadline: float) -> float:
-    """After a failed lease request: how long to wait before asking again, or re-raise.
-    Only a PoolActor that Ray is restarting is asked again, until the acquire's
-    deadline. A sandbox the dead incarnation lent is reclaimed: no host registers it."""
-    if not isinstance(exc, ray.exceptions.ActorUnavailableError) \
-            or attempt >= POOL_RESTART_RETRIES or time.monotonic() >= deadline:
-        raise exc
-    return min(0.05 * 2 ** attempt, 1.0, max(deadline - time.monotonic(), 0.0))
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
+from sandman_ray.pool.reconciler import reachable
 from sandman_ray.pool.states import EndedLeases
 
 # The daemon operations a handle forwards: the public ops of the daemon's op table, each
@@ -56,6 +57,9 @@ HOST_THREADS = 256
 # bind, release and the questions about a lease have threads of their own: a host whose
 # call threads all wait on long commands still takes and gives back leases
 CONTROL_THREADS = 64
+# Each acquire holds a thread of its own while the pool finds it a sandbox: this many
+# acquires of one process on one node wait at the pool at once, the rest in Ray's queue.
+ACQUIRE_THREADS = 128
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 
@@ -82,6 +86,7 @@ class _Held:
 class _HandleHost:
     def __init__(self, name: str):
         self.name = name
+        self.node = ray.get_runtime_context().get_node_id()
         self.lock = threading.Lock()
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
         self.binding: Set[str] = set()  # leases whose bind is under way
@@ -125,6 +130,64 @@ class _HandleHost:
                 self.pools.pop(pool, None)  # perhaps shut down and created again
                 raise
 
+    @ray.method(concurrency_group="acquire")
+    def acquire(self, pool: str, spec, client: str, deadline: float, lease_id: str):
+        """Ask ``pool`` for a lease (``lease_id``, the caller's secret) held by this host,
+        until the wall-clock ``deadline``. Returns ``(True, lease)`` once this host holds
+        it, connected; ``(False, lease)`` for a sandbox this host cannot reach (a unix
+        socket on another node), for the host of that node to ``bind``."""
+        with self.lock:
+            self.binding.add(lease_id)
+        try:
+            left = max(deadline - time.time(), 0.001)
+            lease = self._tell_pool(pool, "lease", spec, client, left, self.name, self.node,
+                                    lease_id)
+            if not reachable(lease, self.node):
+                return False, lease
+            self._take_up(lease)
+            return True, lease
+        finally:
+            with self.lock:
+                self.binding.discard(lease_id)
+                self.dropped.discard(lease_id)
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, pool: str, lease_id: str) -> None:
+        """The acquire of ``lease_id`` was given up by its caller (cancelled,
+        interrupted, timed out): whether it is still waiting at the pool, being taken
+        up here or already held, the lease ends and nothing of it is kept."""
+        with self.lock:
+            held = self._take(lease_id, "the acquire was given up")
+            if held is None and lease_id in self.binding:
+                self.dropped.add(lease_id)
+        self._end(held)
+        self._tell_pool(pool, "cancel", lease_id, self.name)
+
+    def _take_up(self, lease) -> None:
+        """Hold ``lease``, registered to this host by the pool: connect to its daemon."""
+        self._connect(lease, registered=True)
+        self._unless_dropped(lease)
+
+    def _connect(self, lease, registered: bool) -> None:
+        """Connect to the lease's daemon and hold the lease; a sandbox found gone is
+        given back to the pool (SandboxLost)."""
+        try:
+            client = DaemonClient(lease.address, lease.token)
+        except (ConnectionLost, AuthError) as exc:  # gone, or started afresh meanwhile
+            self._tell_pool(lease.pool, "release", lease.lease_id,
+                            self.name if registered else None)
+            raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
+        with self.lock:
+            self.held[lease.lease_id] = _Held(lease, client)
+
+    def _unless_dropped(self, lease) -> None:
+        """Give ``lease`` back if its acquire was given up while it was being taken."""
+        with self.lock:
+            dropped = lease.lease_id in self.dropped
+        if dropped:
+            self.release(lease.lease_id, lease.pool)
+            raise SandboxLost("lease %s was given back while it was being taken" % lease.lease_id)
+
     @ray.method(concurrency_group="control")
     def bind(self, lease) -> str:
         """Take ``lease``: connect to its daemon and register with the pool (which
@@ -139,13 +202,7 @@ class _HandleHost:
                 self.dropped.discard(lease.lease_id)
 
     def _bind(self, lease) -> str:
-        try:
-            client = DaemonClient(lease.address, lease.token)
-        except (ConnectionLost, AuthError) as exc:  # gone, or started afresh meanwhile
-            self._tell_pool(lease.pool, "release", lease.lease_id)
-            raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
-        with self.lock:
-            self.held[lease.lease_id] = _Held(lease, client)
+        self._connect(lease, registered=False)
         try:
             taken = self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
         except BaseException:
@@ -155,11 +212,7 @@ class _HandleHost:
             self._end(self._forget(lease.lease_id))
             raise SandboxLost("lease %s of sandbox %s ended before it was taken"
                               % (lease.lease_id, lease.sandbox_id))
-        with self.lock:
-            dropped = lease.lease_id in self.dropped
-        if dropped:  # the acquire gave up while this bind ran
-            self.release(lease.lease_id, lease.pool)
-            raise SandboxLost("lease %s was given back while it was being taken" % lease.lease_id)
+        self._unless_dropped(lease)
         return self.name
 
     def _forget(self, lease_id: str) -> Optional[_Held]:
@@ -231,8 +284,10 @@ class _HandleHost:
             pass
 
     @ray.method(concurrency_group="control")
-    def node_id(self, lease_id: str) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def node_id(self, lease_id: str) -> Optional[str]:
+        """The Ray node of the lease's sandbox (None: not on a Ray node, a pod)."""
+        held = self.held.get(lease_id)
+        return held.lease.node_id if held else None
 
     @ray.method(concurrency_group="control")
     def sandbox_id(self, lease_id: str) -> Optional[str]:
@@ -358,7 +413,8 @@ for _op in FORWARDED:
 
 HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries=-1,
                         max_concurrency=HOST_THREADS,
-                        concurrency_groups={"control": CONTROL_THREADS})(_HandleHost)
+                        concurrency_groups={"control": CONTROL_THREADS,
+                                            "acquire": ACQUIRE_THREADS})(_HandleHost)
 
 
 class _Method:

@@ -62,6 +62,24 @@ def test_acquire_exec_release_and_context_manager(pool, image):
     assert states(pool)["leased"] == 0
 
 
+def test_an_acquire_is_one_call_and_its_host_holds_the_lease_at_once(pool, image):
+    """The host asks the pool itself, naming itself: the pool registers the lease as it
+    lends it, and no second call (a bind, a register) follows."""
+    before = ray.get(sandman.get_pool(pool).status.remote())["stats"]
+    handles = [sandman.acquire(image, pool=pool) for _ in range(3)]
+    try:
+        after = ray.get(sandman.get_pool(pool).status.remote())["stats"]
+        assert after["leases"] - before["leases"] == 3
+        assert after["registered"] == before["registered"]
+        holders = {s["holder"] for s in ray.get(sandman.get_pool(pool).list_sandboxes.remote())
+                   if s["state"] == "leased"}
+        assert len(holders) == 1 and holders.pop().startswith("sandman:sbx:")
+        assert ray.get(handles[0].node_id.remote()) == ray.get_runtime_context().get_node_id()
+    finally:
+        for h in handles:
+            sandman.release(h)
+
+
 def test_handle_calls_take_any_arguments_an_actor_call_takes(pool, image):
     """Plain arguments travel packed into one value; others (an ObjectRef for Ray to
     resolve first) as Ray arguments. Both reach the daemon as given."""

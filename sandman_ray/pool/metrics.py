@@ -20,7 +20,7 @@ LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 REASON_CLASSES = (
     ("released", r"^released"), ("surplus", r"^surplus"), ("shutdown", r"^pool shutdown"),
     ("create_failed", r"^create failed"), ("reset_failed", r"^reset failed"),
-    ("handle_gone", r"^handle .* is gone"), ("no_handle", r"^no handle"),
+    ("host_gone", r"^host .* is gone"), ("no_host", r"^no host within"),
     ("ttl", r"ttl|TTL"), ("idle", r"idle"), ("stray", r"stray|no record"), ("gc", r"^gc:"),
     ("node_lost", r"^lost: Ray node"),
 )

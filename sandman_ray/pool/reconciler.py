@@ -65,7 +65,8 @@ class Reconciler:
                                           clock=clock.monotonic)
         self.events: Deque[tuple] = collections.deque(maxlen=EVENT_LOG)
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
-                      "throttled": 0, "reclaimed": 0, "leases": 0, "lost": 0}
+                      "throttled": 0, "reclaimed": 0, "leases": 0, "lost": 0,
+                      "registered": 0}  # leases a host took by a second call
         self.create_starts: Deque[float] = collections.deque(maxlen=5000)  # wall clock
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.ended = EndedLeases()  # for hosts that ask why_ended
@@ -133,9 +134,12 @@ class Reconciler:
         spec = self.config.limited(SandboxSpec.of(spec))
         if lease_id is None:
             lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
-        elif lease_id in self.waiting or self.records.leased(lease_id) is not None \
-                or lease_id in self.ended:
-            raise ValueError("lease id %s is taken" % lease_id)
+        else:
+            served = self.records.leased(lease_id)
+            if served is not None and holder is not None and served.holder == holder:
+                return served.lease  # asked again after a restart of the pool: served
+            if lease_id in self.waiting or served is not None or lease_id in self.ended:
+                raise ValueError("lease id %s is taken" % lease_id)
         loop = asyncio.get_running_loop()
         now = self.clock.monotonic()
         waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
@@ -182,6 +186,7 @@ class Reconciler:
             return False
         self._check_holder(rec, holder, "register")
         self._hold(rec, holder)
+        self.stats["registered"] += 1
         self.cluster.persist(self._kv_key(rec.sandbox_id), self._lease_record(rec))
         return True
 

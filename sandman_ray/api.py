@@ -216,7 +216,8 @@ def _after_failure(host, node: str, pool: str, lease_id: str, exc: BaseException
     interrupted, timed out, the pool's own error), the host cancels the request, so
     that no lease is kept, whether or not it took it."""
     last = attempt + 1 >= BIND_ATTEMPTS or time.monotonic() >= deadline
-    if isinstance(exc, ray.exceptions.GetTimeoutError):
+    if isinstance(exc, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)) \
+            and not isinstance(exc, AcquireTimeout):
         exc = AcquireTimeout("pool %s did not answer the acquire in time" % pool)
     if isinstance(exc, ray.exceptions.ActorDiedError) \
             and not isinstance(exc, ray.exceptions.RayTaskError):  # the host, not the pool

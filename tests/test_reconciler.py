@@ -252,8 +252,13 @@ def test_a_request_is_cancelled_by_its_lease_id_before_and_after_it_is_served():
             await second
         assert pool.cancel("L-1")  # served: the lease ends
         assert pool.records.leased("L-1") is None
-        with pytest.raises(ValueError, match="taken"):
+        with pytest.raises(AcquireTimeout, match="L-1"):  # an id is used once
             await pool.lease(SPEC, "c1", 5, lease_id="L-1")
+        # a cancel that overtakes its request: the request, when it comes, is refused
+        assert not pool.cancel("L-3")
+        with pytest.raises(AcquireTimeout, match="cancelled"):
+            await pool.lease(SPEC, "c1", 5, lease_id="L-3")
+        assert pool.records.count(State.LEASED) == 0
     run(main())
 
 

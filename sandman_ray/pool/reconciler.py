@@ -113,8 +113,8 @@ class Reconciler:
             or bool(self.records.count(State.RELEASING))
 
     def tick(self) -> None:
-        wanted = self.wanted()
         self.lend()
+        wanted = self.wanted()  # after lending: a waiter served wants nothing more
         self.release_ended(wanted)
         self.create_missing(wanted)
         self.delete_surplus(wanted)
@@ -136,9 +136,12 @@ class Reconciler:
             lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
         else:
             served = self.records.leased(lease_id)
-            if served is not None and holder is not None and served.holder == holder:
+            if served is not None and (served.holder == holder or not served.registered_at):
                 return served.lease  # asked again after a restart of the pool: served
-            if lease_id in self.waiting or served is not None or lease_id in self.ended:
+            if lease_id in self.ended:  # cancelled (perhaps before it was asked), or over
+                raise AcquireTimeout("pool %s: lease %s: %s"
+                                     % (self.name, lease_id, self.ended[lease_id]))
+            if lease_id in self.waiting or served is not None:
                 raise ValueError("lease id %s is taken" % lease_id)
         loop = asyncio.get_running_loop()
         now = self.clock.monotonic()
@@ -173,10 +176,17 @@ class Reconciler:
         waiter = self.waiting.get(lease_id)
         if waiter is not None:
             self._forget_waiter(waiter)
+            self.ended.note(lease_id, "the request was cancelled")
             if not waiter.future.done():
                 waiter.future.set_exception(AcquireTimeout("lease %s was cancelled" % lease_id))
             return True
-        return self.release(lease_id, holder)
+        if self.release(lease_id, holder):
+            return True
+        # not asked yet (the cancel overtook its request): the request is refused when it
+        # comes, rather than lent to a caller that has gone
+        if lease_id not in self.ended:
+            self.ended.note(lease_id, "the request was cancelled")
+        return False
 
     def register(self, lease_id: str, holder: str) -> bool:
         """The handle host ``holder`` now holds ``lease_id``. False: the lease is over.
@@ -345,6 +355,8 @@ class Reconciler:
 
     # ------------------------------------------------------------------ side effects
     async def _create(self, rec: Sandbox) -> None:
+        if rec.state is not State.REQUESTED:
+            return  # deleted before its create began (a shutdown)
         labels = {POOL_LABEL: self.name}
         self._to(rec, State.CREATING)
         started = self.clock.monotonic()

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 from sandman_ray.errors import ProviderError, SandmanError
 from sandman_ray.spec import SandboxSpec, check_pool_name
 
+# How long a daemon may take to answer the readiness check (connect, ping, ``true``).
+CHECK_TIMEOUT_S = 10.0
 # Labels every provider sets on its sandboxes, so the pool can reconcile after a restart.
 POOL_LABEL = "sandman.pool"
 SANDBOX_LABEL = "sandman.sandbox"
@@ -62,10 +64,13 @@ def fatal(message: str) -> ProviderError:
 async def check_answers(info: SandboxInfo) -> None:
     """Raise (transient) unless the sandbox's daemon answers a ping and a trivial exec:
     what READY means, checked where the address is reachable (a provider's create and
-    reset end with it, on the sandbox's node for a unix socket)."""
+    reset end with it, on the sandbox's node for a unix socket), within
+    CHECK_TIMEOUT_S."""
     from sandman_ray.client import AsyncDaemonClient
     try:
-        client = await AsyncDaemonClient.connect(info.address, info.token)
+        client = await AsyncDaemonClient.connect(info.address, info.token,
+                                                 connect_timeout=CHECK_TIMEOUT_S,
+                                                 default_timeout=CHECK_TIMEOUT_S)
     except (ConnectionError, OSError, SandmanError) as exc:
         raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
     try:

@@ -390,7 +390,7 @@ class KubernetesProvider(Provider):
         return SandboxInfo(
             sandbox_id=sandbox_id, address="tcp:%s:%d" % (ip, self.daemon_port) if ip else "",
             token=env.get("SANDMAN_TOKEN", ""), node_id=None, labels=dict(meta.get("labels") or {}),
-            created_at=time.time(), spec=_spec_of(meta),
+            created_at=time.time(), spec=_spec_of(meta, container, env),
             alive=status.get("phase") in ("Pending", "Running")
             and not meta.get("deletionTimestamp"),
             details={"pod": meta["name"], "node": pod["spec"].get("nodeName"),
@@ -444,6 +444,9 @@ class KubernetesProvider(Provider):
         deadline = time.monotonic() + self.pending_timeout_s
         while True:
             pod = self._pods.get(name)
+            if pod is not None and pod["metadata"].get("deletionTimestamp"):
+                # an earlier attempt's pod, deleted (its daemon did not answer): not this one
+                raise transient("sandbox %s: pod %s is still being deleted" % (sandbox_id, name))
             if pod is not None:
                 status = pod.get("status") or {}
                 if status.get("phase") == "Running" and status.get("podIP"):
@@ -507,10 +510,17 @@ class KubernetesProvider(Provider):
         self._reset_runtime()
 
 
-def _spec_of(meta: dict) -> Optional[SandboxSpec]:
-    """The spec a pod was made from (its annotation); None for a pod without one."""
+def _spec_of(meta: dict, container: dict, env: Dict[str, str]) -> Optional[SandboxSpec]:
+    """The spec a pod was made from: its annotation; for a pod made before pods carried
+    one, what the pod itself says (image and env; its limits are not read back). None
+    when neither makes a spec."""
     try:
         return SandboxSpec.from_dict(json.loads(meta["annotations"][SPEC_ANNOTATION]))
+    except (KeyError, TypeError, ValueError):
+        pass
+    try:
+        return SandboxSpec(image=container["image"],
+                           env={k: v for k, v in env.items() if k != "SANDMAN_TOKEN"})
     except (KeyError, TypeError, ValueError):
         return None
 

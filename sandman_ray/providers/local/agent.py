@@ -97,8 +97,8 @@ class NodeAgent:
                      labels: Dict[str, str]) -> SandboxInfo:
         if self.closed:
             raise fatal("the agent of pool %s on node %s is shut down" % (self.pool, self.node_id))
-        if sandbox_id in self.sandboxes:
-            return self._info(sandbox_id)
+        if sandbox_id in self.sandboxes and sandbox_id not in self.creating.running:
+            return self._info(sandbox_id)  # made, and answered (a retry after a timeout)
         return await self.creating.run(sandbox_id,
                                        lambda: self._create(sandbox_id, spec, labels))
 

@@ -53,13 +53,15 @@ POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
 # bare async actor call against a bare sync one, measured side by side). Calls past
 # this many in flight in one host wait in Ray's queue. Ray starts all the threads with
 # the actor (~73 KB of memory each).
-HOST_THREADS = 256
+HOST_THREADS = 192
 # bind, release and the questions about a lease have threads of their own: a host whose
 # call threads all wait on long commands still takes and gives back leases
 CONTROL_THREADS = 64
 # Each acquire holds a thread of its own while the pool finds it a sandbox: this many
 # acquires of one process on one node wait at the pool at once, the rest in Ray's queue.
-ACQUIRE_THREADS = 128
+# (With the call threads, as many threads as a host had before acquires came to it:
+# each costs the host ~65 KB.)
+ACQUIRE_THREADS = 64
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 

@@ -15,7 +15,8 @@ answers, errors surfaced to clients, pods left after the clients are gone (must 
 
 A paced client takes leases without a SandboxHandle actor: 10,000 handle actors (a
 process of ~55 MB each) do not fit on this machine; usable still means the daemon
-answered through the pool's probe. The simulated daemons answer hello, ping and exec.
+answered the readiness check (ping and `exec true`) that every create ends with. The
+simulated daemons answer hello, ping and exec.
 
     python bench/k8s_burst.py [--n 10000] [--clients 8] [--api-qps 300] [--nodes 100]
 """

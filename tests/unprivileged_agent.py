@@ -1,4 +1,4 @@
-"""Run by tests/test_escape.py as an unprivileged user (not root): what a LocalProvider
+"""Run by tests/test_escape_network.py as an unprivileged user (not root): what a LocalProvider
 agent that is not root does for a sandbox (bwrap.SandboxProcess, unprivileged), then
 the attacks from inside, through the daemon's client. Prints one JSON object: what
 each attack printed, and what the host saw.

@@ -82,6 +82,9 @@ class Records:
         self.place(rec, rec.info)
 
     def move(self, rec: Sandbox, state: State, now: float) -> None:
+        if rec.sandbox_id not in self.by_id:
+            raise RuntimeError("sandbox %s has no record (moved to %s)" % (rec.sandbox_id,
+                                                                            state.name))
         self._leave(rec)
         try:
             rec.to(state, now)

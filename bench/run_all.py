@@ -20,6 +20,9 @@ On a local Ray with the LocalProvider:
          answered, ready until lent, lent until usable. Beside it, the same N without the
          pool: each client process starting its own sandboxes at once through the
          provider.
+  cycle  one client on a warm pool, one lease cycle after another: acquire, a first
+         ``exec true``, release, and the whole cycle, p50 and p99, also in bare actor
+         calls (timed back to back, in rounds between the rounds of cycles).
   reuse  E episodes on K sandboxes (K at a time; an episode runs one command):
          release and acquire again (a reset) versus a new sandbox per episode.
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
@@ -405,6 +408,62 @@ def reuse(episodes: int, k: int, image: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------- cycle
+CYCLE_STEPS = ("acquire", "first exec", "release", "whole cycle")
+
+
+def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
+    """One client on a warm pool: acquire, a first ``exec true``, release, one cycle
+    after another, each step timed. Bare actor calls are timed back to back in rounds
+    between the rounds of cycles (as the noop section times them), so each step is also
+    given in bare calls of the same run."""
+    pool = "bench-cycle-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=provider(), warm={image: warm})
+    wait_for(lambda: states(pool)["ready"] >= warm, "%d warm sandboxes" % warm)
+    bare = Bare.remote()
+    times: Dict[str, List[float]] = {name: [] for name in CYCLE_STEPS + ("bare call",)}
+    try:
+        sandman.release(sandman.acquire(image, pool=pool, timeout=120))  # the host starts
+        ray.get(bare.noop.remote())
+        for _ in range(rounds):
+            for _ in range(max(1, cycles // rounds)):
+                wait_for(lambda: states(pool)["ready"] >= warm // 2, "ready sandboxes")
+                t0 = time.perf_counter()
+                sb = sandman.acquire(image, pool=pool, timeout=120)
+                t1 = time.perf_counter()
+                assert ray.get(sb.exec.remote("true")).exit_code == 0
+                t2 = time.perf_counter()
+                sandman.release(sb)
+                t3 = time.perf_counter()
+                for name, span in zip(CYCLE_STEPS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                    times[name].append(span)
+            for _ in range(50):
+                t = time.perf_counter()
+                ray.get(bare.noop.remote())
+                times["bare call"].append(time.perf_counter() - t)
+    finally:
+        sandman.shutdown_pool(pool)
+    out = {name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "samples": len(v)}
+           for name, v in times.items()}
+    call = out["bare call"]["p50_ms"]
+    out["in bare calls"] = {"%s %s" % (name, q): out[name]["%s_ms" % q] / call
+                            for name in CYCLE_STEPS for q in ("p50", "p99")}
+    return out
+
+
+def _cycle_rows(c: dict) -> List[tuple]:
+    calls = c["in bare calls"]
+    rows = [("cycle", "one client, warm pool: %s" % name,
+             "%.2f ms" % c[name]["p50_ms"],
+             "p99 %.2f ms; %.1f / %.1f bare calls" % (c[name]["p99_ms"], calls[name + " p50"],
+                                                     calls[name + " p99"]))
+            for name in CYCLE_STEPS]
+    rows.append(("cycle", "bare actor call (rounds between the cycles)",
+                 "%.2f ms" % c["bare call"]["p50_ms"],
+                 "p99 %.2f ms" % c["bare call"]["p99_ms"]))
+    return rows
+
+
 # ---------------------------------------------------------------------- cost
 def cpu_ticks() -> int:
     with open("/proc/stat") as fh:
@@ -479,6 +538,8 @@ def table(results: dict, args) -> List[tuple]:
         rows += _noop_rows(results["noop"])
     if "burst" in results:
         rows += _burst_rows(results["burst"], args)
+    if "cycle" in results:
+        rows += _cycle_rows(results["cycle"])
     for name, row in results.get("reuse", {}).items():
         rows.append(("reuse", "%s: %d episodes on %d sandboxes" % (name, row["episodes"], args.k),
                      "%.1f episodes/s" % row["episodes_per_s"],
@@ -622,7 +683,8 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=1000, help="no-op samples per row")
     parser.add_argument("--episodes", type=int, default=200, help="reuse: episodes")
     parser.add_argument("--k", type=int, default=4, help="reuse: sandboxes at a time")
-    parser.add_argument("--sections", default="noop,burst,reuse,cost,isolation")
+    parser.add_argument("--cycles", type=int, default=200, help="cycle: lease cycles")
+    parser.add_argument("--sections", default="noop,burst,cycle,reuse,cost,isolation")
     parser.add_argument("--creates", type=int, default=30,
                         help="isolation: creates one at a time per level")
     args = parser.parse_args(argv)
@@ -636,6 +698,8 @@ def main(argv=None) -> int:
             results["noop"] = noop(args.samples)
         if "burst" in sections:
             results["burst"] = burst(args.n, args.clients, image)
+        if "cycle" in sections:
+            results["cycle"] = cycle(args.cycles, image)
         if "reuse" in sections:
             results["reuse"] = reuse(args.episodes, args.k, image)
         if "cost" in sections:

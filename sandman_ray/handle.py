@@ -72,7 +72,8 @@ class _Held:
     heard, and the calls started and in flight. Guarded by the host's lock."""
 
     def __init__(self, lease, client: DaemonClient):
-        self.lease, self.touched = lease, 0.0
+        # the pool marked the lease used as it lent it (or as this host registered it)
+        self.lease, self.touched = lease, time.monotonic()
         self.idle: List[DaemonClient] = [client]
         self.busy: Set[DaemonClient] = set()
         self.started = 0  # calls begun on this host

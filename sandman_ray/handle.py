@@ -24,6 +24,7 @@ on it and raise SandboxLost instead of Ray's actor errors, and it tells the pool
 end the old incarnation's leases.
 """
 
+import contextlib
 import threading
 import time
 import warnings
@@ -139,16 +140,24 @@ class _HandleHost:
         until the wall-clock ``deadline``. Returns ``(True, lease)`` once this host holds
         it, connected; ``(False, lease)`` for a sandbox this host cannot reach (a unix
         socket on another node), for the host of that node to ``bind``."""
-        with self.lock:
-            self.binding.add(lease_id)
-        try:
+        with self._taking(lease_id):
             left = max(deadline - time.time(), 0.001)
             lease = self._tell_pool(pool, "lease", spec, client, left, self.name, self.node,
                                     lease_id)
             if not reachable(lease, self.node):
                 return False, lease
-            self._take_up(lease)
+            self._connect(lease, registered=True)  # the pool registered it to this host
+            self._unless_dropped(lease)
             return True, lease
+
+    @contextlib.contextmanager
+    def _taking(self, lease_id: str):
+        """While ``lease_id`` is being taken (an acquire, a bind), a release or cancel of
+        it marks it dropped, and the taking gives it back (``_unless_dropped``)."""
+        with self.lock:
+            self.binding.add(lease_id)
+        try:
+            yield
         finally:
             with self.lock:
                 self.binding.discard(lease_id)
@@ -165,11 +174,6 @@ class _HandleHost:
                 self.dropped.add(lease_id)
         self._end(held)
         self._tell_pool(pool, "cancel", lease_id, self.name)
-
-    def _take_up(self, lease) -> None:
-        """Hold ``lease``, registered to this host by the pool: connect to its daemon."""
-        self._connect(lease, registered=True)
-        self._unless_dropped(lease)
 
     def _connect(self, lease, registered: bool) -> None:
         """Connect to the lease's daemon and hold the lease; a sandbox found gone is
@@ -195,14 +199,8 @@ class _HandleHost:
     def bind(self, lease) -> str:
         """Take ``lease``: connect to its daemon and register with the pool (which
         confirms the lease is still open)."""
-        with self.lock:
-            self.binding.add(lease.lease_id)
-        try:
+        with self._taking(lease.lease_id):
             return self._bind(lease)
-        finally:
-            with self.lock:
-                self.binding.discard(lease.lease_id)
-                self.dropped.discard(lease.lease_id)
 
     def _bind(self, lease) -> str:
         self._connect(lease, registered=False)

@@ -346,32 +346,24 @@ class PipeReader:
         loop.add_reader(fd, self._ready)
 
     def _ready(self):
+        """Hand one chunk to ``sink``; False when the pipe has nothing now, or ended."""
         try:
             chunk = os.read(self.fd, 65536)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             chunk = b""
         if chunk:
             self.sink(chunk)
-        else:
-            self.close()
+            return True
+        self.close()
+        return False
 
     def drain(self, max_reads=256):
         """Read what is already in the pipe (the writer has exited) without waiting."""
         for _ in range(max_reads):
-            if self.closed:
+            if self.closed or not self._ready():
                 return
-            try:
-                chunk = os.read(self.fd, 65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.close()
-                return
-            self.sink(chunk)
 
     def close(self):
         if not self.closed:

@@ -225,6 +225,7 @@ POOLED_CLIENT = textwrap.dedent("""
     import asyncio, json, sys, time, ray, sandman_ray as sandman
     ray.init(address=sys.argv[1], namespace="sandman-bench", log_to_driver=False)
     n = int(sys.argv[4])
+    sandman.prepare(sys.argv[2])  # as a rollout worker starts: its pool and handle host
     print("go", flush=True)
     start = float(sys.stdin.readline())   # a shared wall-clock start
     async def one():

@@ -14,6 +14,7 @@ from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
+from sandman_ray.pool.reconciler import reachable
 from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
@@ -110,8 +111,23 @@ def _pool_for(pool: str):
         return create_pool("default")
 
 
-def _host(node_id: Optional[str]):
-    """This process's HandleHost on ``node_id`` (anywhere for None), started once."""
+class _Host:
+    """This process's handle host on one node: its actor, its name (the holder the
+    pool knows) and whether it has answered once (started)."""
+
+    __slots__ = ("actor", "name", "started")
+
+    def __init__(self, actor, name: str):
+        self.actor, self.name, self.started = actor, name, False
+
+    def started_ref(self):
+        """An ObjectRef that resolves once the host runs (None: it answered before)."""
+        return None if self.started else self.actor.__ray_ready__.remote()
+
+
+def _host(node_id: Optional[str]) -> _Host:
+    """This process's HandleHost on ``node_id`` (anywhere for None), started once
+    (without waiting for it)."""
     key = node_id or ""
     with _hosts_lock:
         host = _hosts.get(key)
@@ -121,14 +137,28 @@ def _host(node_id: Optional[str]):
             options = {"name": name, "namespace": NAMESPACE}
             if node_id:  # when the node dies, Ray restarts the host elsewhere to say SandboxLost
                 options.update(_on_node(node_id))
-            host = _hosts[key] = HandleHost.options(**options).remote(name)
+            host = _hosts[key] = _Host(HandleHost.options(**options).remote(name), name)
         return host
 
 
-def _forget_host(node_id: Optional[str], host) -> None:
+def _forget_host(node_id: Optional[str], host: _Host) -> None:
     with _hosts_lock:
         if _hosts.get(node_id or "") is host:
             del _hosts[node_id or ""]
+
+
+def prepare(pool: str = "default") -> None:
+    """Find ``pool`` (the default pool is created if missing) and start this process's
+    handle host on this node, and wait for both: a rollout worker that calls it as it
+    starts pays for neither at its first acquire. (``acquire`` starts the host too,
+    while the pool finds it a sandbox.) A host is one Ray actor process per client
+    process and node: ~0.35 s of CPU to start, and see the README for its memory."""
+    _pool_for(pool)
+    host = _host(_this_node())
+    started = host.started_ref()
+    if started is not None:
+        ray.get(started)
+        host.started = True
 
 
 def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
@@ -136,20 +166,28 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
     """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
     ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds.
 
-    One Ray call: this process's handle host on this node asks the pool for the lease,
-    naming itself as its holder, and connects to the sandbox. Only a sandbox it cannot
-    reach (a unix socket on another node) takes a second call, to the host there."""
-    _pool_for(pool)  # no pool: fails here
+    One Ray call: the pool lends the sandbox to this process's handle host on this node
+    (started meanwhile if this is the first acquire), and hands the host the lease to
+    connect. Only a sandbox the host cannot reach (a unix socket on another node)
+    takes a second call, to the host there."""
+    actor = _pool_for(pool)  # no pool: fails here
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
-        host, lease_id = _host(_this_node()), "L-" + uuid.uuid4().hex
+        node = _this_node()
+        host, lease_id = _host(node), "L-" + uuid.uuid4().hex
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        started = host.started_ref()
+        host_died = False
         try:
-            held, lease = ray.get(_ask(host, pool, spec, client, deadline, lease_id),
-                                  timeout=max(deadline - time.monotonic(), 0) + 30)
+            lease = ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30)
+            if started is not None:
+                host_died = True  # an error from here on is the host's
+                ray.get(started, timeout=max(deadline - time.monotonic(), 0) + 30)
+                host.started = True
         except BaseException as exc:
-            _after_failure(host, _this_node(), pool, lease_id, exc, attempt, deadline)
+            _after_failure(host, node, pool, lease_id, exc, attempt, deadline, host_died)
             continue
-        handle = _handle_for(held, lease, host, attempt, deadline)
+        handle = _handle_for(lease, host, node, attempt, deadline)
         if handle is not None:
             return handle
 
@@ -157,78 +195,89 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
 async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
                         client: Optional[str] = None) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
-    _pool_for(pool)
+    actor = _pool_for(pool)
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
-        host, lease_id = _host(_this_node()), "L-" + uuid.uuid4().hex
+        node = _this_node()
+        host, lease_id = _host(node), "L-" + uuid.uuid4().hex
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        started = host.started_ref()
+        host_died = False
         try:
-            held, lease = await asyncio.wait_for(
-                _ask(host, pool, spec, client, deadline, lease_id),
-                max(deadline - time.monotonic(), 0) + 30)
+            lease = await asyncio.wait_for(asked, max(deadline - time.monotonic(), 0) + 30)
+            if started is not None:
+                host_died = True
+                await asyncio.wait_for(started, max(deadline - time.monotonic(), 0) + 30)
+                host.started = True
         except BaseException as exc:
-            _after_failure(host, _this_node(), pool, lease_id, exc, attempt, deadline)
+            _after_failure(host, node, pool, lease_id, exc, attempt, deadline, host_died)
             continue
-        if held:
-            return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+        if reachable(lease, node):
+            return _handle(lease, host)
         there = _host(lease.node_id)
         try:
-            await there.bind.remote(lease)
-            return SandboxHandle(there, lease.lease_id, lease.sandbox_id, lease.node_id,
-                                 lease.pool)
+            await there.actor.bind.remote(lease)
+            return _handle(lease, there)
         except BaseException as exc:
-            _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt, deadline)
+            _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt,
+                           deadline, False)
 
 
 def _this_node() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _ask(host, pool: str, spec: SpecLike, client: Optional[str], deadline: float,
-         lease_id: str):
-    """The host's ``acquire`` call (an ObjectRef), under a task name the Ray dashboard
-    shows; ``deadline`` (monotonic here) travels as wall-clock time (the host runs on
-    this node)."""
-    wall = time.time() + max(deadline - time.monotonic(), 0.001)
-    return host.acquire.options(name="sandman:acquire:%s" % pool).remote(
-        pool, SandboxSpec.of(spec), client or _client_id(), wall, lease_id)
+def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
+         deadline: float, lease_id: str):
+    """The pool's ``lease`` call for ``host`` (an ObjectRef), under a task name the Ray
+    dashboard shows."""
+    return actor.lease.options(name="sandman:acquire:%s" % pool).remote(
+        SandboxSpec.of(spec), client or _client_id(), max(deadline - time.monotonic(), 0.001),
+        host.name, node, lease_id)
 
 
-def _handle_for(held: bool, lease, host, attempt: int, deadline: float):
-    """The handle of a lease the host holds; one the host could not reach is bound
-    by the host of the sandbox's node (None: it was lost meanwhile, ask again)."""
-    if held:
-        return SandboxHandle(host, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+def _handle(lease, host: _Host) -> SandboxHandle:
+    return SandboxHandle(host.actor, lease.lease_id, lease.sandbox_id, lease.node_id,
+                         lease.pool, host_name=host.name)
+
+
+def _handle_for(lease, host: _Host, node: str, attempt: int, deadline: float):
+    """The handle of a lease this node's host holds; one it cannot reach is bound by
+    the host of the sandbox's node (None: it was lost meanwhile, ask again)."""
+    if reachable(lease, node):
+        return _handle(lease, host)
     there = _host(lease.node_id)
     try:
-        ray.get(there.bind.remote(lease))
-        return SandboxHandle(there, lease.lease_id, lease.sandbox_id, lease.node_id, lease.pool)
+        ray.get(there.actor.bind.remote(lease))
+        return _handle(lease, there)
     except BaseException as exc:
-        _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt, deadline)
+        _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt, deadline,
+                       False)
     return None
 
 
-def _after_failure(host, node: str, pool: str, lease_id: str, exc: BaseException,
-                   attempt: int, deadline: float) -> None:
-    """A host's acquire (or bind) of ``lease_id`` failed or was given up; returns to
-    ask again, else raises. A sandbox found gone (the host gave the lease back) is
-    replaced by another while the acquire has time; a host that died for good is
-    replaced and the request cancelled at the pool. Whatever else happened (cancelled,
-    interrupted, timed out, the pool's own error), the host cancels the request, so
-    that no lease is kept, whether or not it took it."""
+def _after_failure(host: _Host, node: str, pool: str, lease_id: str, exc: BaseException,
+                   attempt: int, deadline: float, host_died: bool) -> None:
+    """An acquire (or a bind) of ``lease_id`` failed or was given up; returns to ask
+    again, else raises. A sandbox found gone (the host gave the lease back) is replaced
+    by another while the acquire has time; a host that died for good (``host_died``:
+    the error came from it) is replaced and the lease cancelled at the pool. Whatever
+    else happened (cancelled, interrupted, timed out, the pool's own error), the host
+    cancels the request, so that no lease is kept, whether or not it was lent."""
     last = attempt + 1 >= BIND_ATTEMPTS or time.monotonic() >= deadline
     if isinstance(exc, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError)) \
             and not isinstance(exc, AcquireTimeout):
         exc = AcquireTimeout("pool %s did not answer the acquire in time" % pool)
-    if isinstance(exc, ray.exceptions.ActorDiedError) \
-            and not isinstance(exc, ray.exceptions.RayTaskError):  # the host, not the pool
+    if host_died and isinstance(exc, ray.exceptions.ActorDiedError) \
+            and not isinstance(exc, ray.exceptions.RayTaskError):
         _forget_host(node, host)
         try:
-            get_pool(pool).cancel.remote(lease_id)
+            get_pool(pool).cancel.remote(lease_id, host.name)
         except SandmanError:
             pass  # the pool is gone too
     elif not isinstance(exc, SandboxLost):
         try:
-            host.cancel.remote(pool, lease_id)
+            host.actor.cancel.remote(pool, lease_id)
         except Exception:  # noqa: BLE001 - a dead host holds nothing; the pool reclaims
             pass
         raise exc
@@ -237,23 +286,49 @@ def _after_failure(host, node: str, pool: str, lease_id: str, exc: BaseException
 
 
 def release(handle: SandboxHandle) -> None:
-    """End the lease; the sandbox is reset for the next user (or deleted). A handle
-    whose host died is released quietly: the pool reclaims the leases of a dead host."""
-    handle._released()
-    try:
-        ray.get(handle._host.release.remote(handle.lease_id, handle.pool))
-    except ray.exceptions.RayActorError as exc:
-        if isinstance(exc, ray.exceptions.RayTaskError):  # raised in the host: the pool's
-            raise
+    """End the lease; the sandbox is reset for the next user (or deleted). The host
+    stops forwarding and the pool ends the lease, both at once. A handle whose host
+    died is released at the pool all the same."""
+    outcomes = []
+    for ref in _release_refs(handle):
+        try:
+            ray.get(ref)
+            outcomes.append(None)
+        except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
+            outcomes.append(exc)
+    _check_released(outcomes)
 
 
 async def release_async(handle: SandboxHandle) -> None:
+    outcomes = []
+    for ref in _release_refs(handle):
+        try:
+            await ref
+            outcomes.append(None)
+        except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
+            outcomes.append(exc)
+    _check_released(outcomes)
+
+
+def _release_refs(handle: SandboxHandle) -> list:
+    """The host's release and the pool's, sent together (a handle that does not name
+    its host leaves the pool's to the host)."""
     handle._released()
-    try:
-        await handle._host.release.remote(handle.lease_id, handle.pool)
-    except ray.exceptions.RayActorError as exc:
-        if isinstance(exc, ray.exceptions.RayTaskError):
-            raise
+    if handle._host_name is None:
+        return [handle._host.release.remote(handle.lease_id, handle.pool)]
+    return [handle._host.release.remote(handle.lease_id, None, None, False),
+            get_pool(handle.pool).release.remote(handle.lease_id, handle._host_name)]
+
+
+def _check_released(errors: list) -> None:
+    """Raise what a release must (``errors``: the host's, then the pool's, None for
+    none): the pool's refusal (LeaseNotHeld), an error raised in the host; not a host
+    that is gone (the pool ended the lease, or reclaims it)."""
+    for i, exc in enumerate(errors):
+        host_gone = i == 0 and isinstance(exc, ray.exceptions.RayActorError) and \
+            not isinstance(exc, ray.exceptions.RayTaskError)
+        if exc is not None and not host_gone:
+            raise exc
 
 
 @contextlib.contextmanager

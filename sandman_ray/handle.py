@@ -10,6 +10,11 @@ host per process and node, instead of an actor per lease, means a burst of lease
 starts no actor process once a client has a host on each node (a Ray actor costs
 ~0.35 s of CPU and ~55 MB).
 
+An acquire is one call, to the pool: it names the client's host as the holder, and the
+pool, as it lends the sandbox, hands the host the lease (``take``), so the host
+connects to the daemon while the client gets its answer; a first call that overtakes
+the offer waits for it. A release ends the lease at the host and at the pool at once.
+
 A ``SandboxHandle`` names one lease on one host and reads like an actor handle:
 ``ray.get(sb.exec.remote("ls"))``, ``await sb.run.remote("cd /tmp")``. It pickles, so
 it can be passed to tasks and actors. When the handle is garbage collected in the
@@ -58,11 +63,9 @@ HOST_THREADS = 192
 # bind, release and the questions about a lease have threads of their own: a host whose
 # call threads all wait on long commands still takes and gives back leases
 CONTROL_THREADS = 64
-# Each acquire holds a thread of its own while the pool finds it a sandbox: this many
-# acquires of one process on one node wait at the pool at once, the rest in Ray's queue.
-# (With the call threads, as many threads as a host had before acquires came to it:
-# each costs the host ~65 KB.)
-ACQUIRE_THREADS = 64
+# A call that arrives before the pool's offer of its lease (``take``; both are sent at
+# once) waits this long for it.
+TAKE_WAIT_S = 10.0
 IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 
@@ -92,6 +95,7 @@ class _HandleHost:
         self.name = name
         self.node = ray.get_runtime_context().get_node_id()
         self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)  # a lease was taken or ended
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
         self.binding: Set[str] = set()  # leases whose bind is under way
         self.dropped: Set[str] = set()  # of those, the ones released meanwhile
@@ -134,26 +138,35 @@ class _HandleHost:
                 self.pools.pop(pool, None)  # perhaps shut down and created again
                 raise
 
-    @ray.method(concurrency_group="acquire")
-    def acquire(self, pool: str, spec, client: str, deadline: float, lease_id: str):
-        """Ask ``pool`` for a lease (``lease_id``, the caller's secret) held by this host,
-        until the wall-clock ``deadline``. Returns ``(True, lease)`` once this host holds
-        it, connected; ``(False, lease)`` for a sandbox this host cannot reach (a unix
-        socket on another node), for the host of that node to ``bind``."""
-        with self._taking(lease_id):
-            left = max(deadline - time.time(), 0.001)
-            lease = self._tell_pool(pool, "lease", spec, client, left, self.name, self.node,
-                                    lease_id)
-            if not reachable(lease, self.node):
-                return False, lease
-            self._connect(lease, registered=True)  # the pool registered it to this host
-            self._unless_dropped(lease)
-            return True, lease
+    @ray.method(concurrency_group="control")
+    def take(self, lease) -> bool:
+        """The pool lent ``lease`` to this host's client, who asked the pool itself
+        (``cluster.offer``): connect to its daemon now, so that the client's first call
+        finds the lease held and a connection open. False when the lease ended here
+        first (its client gave it back) or its sandbox is gone (given back)."""
+        with self.lock:
+            if lease.lease_id in self.held or lease.lease_id in self.ended or self.restarted:
+                return False
+        try:
+            client = self._connected(lease, self.name)
+        except SandboxLost as exc:
+            with self.lock:
+                self.ended.note(lease.lease_id, str(exc))
+                self.arrived.notify_all()
+            return False
+        with self.lock:
+            late = lease.lease_id in self.ended or lease.lease_id in self.held
+            if not late:
+                self.held[lease.lease_id] = _Held(lease, client)
+            self.arrived.notify_all()
+        if late:  # released while it connected: the release told the pool
+            client.close()
+        return not late
 
     @contextlib.contextmanager
     def _taking(self, lease_id: str):
-        """While ``lease_id`` is being taken (an acquire, a bind), a release or cancel of
-        it marks it dropped, and the taking gives it back (``_unless_dropped``)."""
+        """While ``lease_id`` is being taken (a bind), a release or cancel of it marks it
+        dropped, and the taking gives it back (``_unless_dropped``)."""
         with self.lock:
             self.binding.add(lease_id)
         try:
@@ -166,8 +179,9 @@ class _HandleHost:
     @ray.method(concurrency_group="control")
     def cancel(self, pool: str, lease_id: str) -> None:
         """The acquire of ``lease_id`` was given up by its caller (cancelled,
-        interrupted, timed out): whether it is still waiting at the pool, being taken
-        up here or already held, the lease ends and nothing of it is kept."""
+        interrupted, timed out): whether it is still waiting at the pool, offered to
+        this host, being taken up here or already held, the lease ends and nothing of
+        it is kept."""
         with self.lock:
             held = self._take(lease_id, "the acquire was given up")
             if held is None and lease_id in self.binding:
@@ -175,17 +189,14 @@ class _HandleHost:
         self._end(held)
         self._tell_pool(pool, "cancel", lease_id, self.name)
 
-    def _connect(self, lease, registered: bool) -> None:
-        """Connect to the lease's daemon and hold the lease; a sandbox found gone is
-        given back to the pool (SandboxLost)."""
+    def _connected(self, lease, holder: Optional[str]) -> DaemonClient:
+        """A connection to the lease's daemon; a sandbox found gone is given back to the
+        pool (by ``holder``, the host that holds it, if one does): SandboxLost."""
         try:
-            client = DaemonClient(lease.address, lease.token)
+            return DaemonClient(lease.address, lease.token)
         except (ConnectionLost, AuthError) as exc:  # gone, or started afresh meanwhile
-            self._tell_pool(lease.pool, "release", lease.lease_id,
-                            self.name if registered else None)
+            self._tell_pool(lease.pool, "release", lease.lease_id, holder)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc
-        with self.lock:
-            self.held[lease.lease_id] = _Held(lease, client)
 
     def _unless_dropped(self, lease) -> None:
         """Give ``lease`` back if its acquire was given up while it was being taken."""
@@ -203,7 +214,9 @@ class _HandleHost:
             return self._bind(lease)
 
     def _bind(self, lease) -> str:
-        self._connect(lease, registered=False)
+        client = self._connected(lease, None)
+        with self.lock:
+            self.held[lease.lease_id] = _Held(lease, client)
         try:
             taken = self._tell_pool(lease.pool, "register", lease.lease_id, self.name)
         except BaseException:
@@ -222,11 +235,13 @@ class _HandleHost:
 
     def _take(self, lease_id: str, reason: str = "released by its holder") -> Optional[_Held]:
         """Stop holding ``lease_id`` (the caller holds the lock); later calls on it
-        raise LeaseEnded with ``reason``."""
+        raise LeaseEnded with ``reason``, and an offer of it that comes late is
+        refused."""
         held = self.held.pop(lease_id, None)
         if held is not None:
             held.ended = True
         self.ended.note(lease_id, reason)
+        self.arrived.notify_all()
         return held
 
     @ray.method(concurrency_group="control")
@@ -253,13 +268,15 @@ class _HandleHost:
 
     @ray.method(concurrency_group="control")
     def release(self, lease_id: str, pool: Optional[str] = None,
-                after_calls: Optional[int] = None) -> bool:
+                after_calls: Optional[int] = None, tell_pool: bool = True) -> bool:
         """End the lease; False if this host did not hold it (it is still ended at
         ``pool``: a restarted host held nothing). ``after_calls``: end it once that
         many calls on it have begun and all have finished (a handle dropped right after
-        ``.remote()``), or after RELEASE_WAIT_S if some never arrive."""
+        ``.remote()``), or after RELEASE_WAIT_S if some never arrive. ``tell_pool``
+        False: the caller ends it at the pool itself (``sandman_ray.release`` does
+        both at once)."""
         with self.lock:
-            held = self.held.get(lease_id)
+            held = self.held.get(lease_id) if after_calls is None else self._awaited(lease_id)
             if held is not None and after_calls is not None and not held.drained(after_calls):
                 held.release_after = after_calls  # the last call to end releases it
                 timer = threading.Timer(RELEASE_WAIT_S, self._release_late, (lease_id,))
@@ -271,11 +288,12 @@ class _HandleHost:
             if binding:
                 self.dropped.add(lease_id)  # its bind releases it once registered
         if held is None:
-            if not binding and pool is not None:
+            if not binding and pool is not None and tell_pool:
                 self._tell_pool(pool, "release", lease_id, self.name)
             return False
         self._end(held)
-        self._tell_pool(held.lease.pool, "release", lease_id, self.name)
+        if tell_pool:
+            self._tell_pool(held.lease.pool, "release", lease_id, self.name)
         return True
 
     def _release_late(self, lease_id: str) -> None:
@@ -285,27 +303,54 @@ class _HandleHost:
             pass
 
     @ray.method(concurrency_group="control")
+    def leases(self, pool: str) -> list:
+        """The leases of ``pool`` this host holds (a restarted pool asks)."""
+        with self.lock:
+            return [held.lease for held in self.held.values() if held.lease.pool == pool]
+
+    @ray.method(concurrency_group="control")
     def node_id(self, lease_id: str) -> Optional[str]:
         """The Ray node of the lease's sandbox (None: not on a Ray node, a pod)."""
-        held = self.held.get(lease_id)
+        held = self._described(lease_id)
         return held.lease.node_id if held else None
 
     @ray.method(concurrency_group="control")
     def sandbox_id(self, lease_id: str) -> Optional[str]:
-        held = self.held.get(lease_id)
+        held = self._described(lease_id)
         return held.lease.sandbox_id if held else None
 
+    def _described(self, lease_id: str) -> Optional[_Held]:
+        with self.lock:
+            return self._awaited(lease_id)
+
+    def _awaited(self, lease_id: str) -> Optional[_Held]:
+        """``_holding``, None for a lease not held (the caller holds the lock)."""
+        try:
+            return self._holding(lease_id)
+        except (LeaseEnded, SandboxLost):
+            return None
+
     def _holding(self, lease_id: str) -> _Held:
-        held = self.held.get(lease_id)
-        if held is not None:
-            return held
-        reason = self.ended.get(lease_id)
-        if reason is not None:
-            raise LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
-        if self.restarted:
-            raise SandboxLost("lease %s: its handle host %s was restarted after its process "
-                              "or Ray node died, and the sandbox is lost" % (lease_id, self.name))
-        raise SandboxLost("lease %s is not held (released, reclaimed or lost)" % lease_id)
+        """What this host holds for ``lease_id`` (the caller holds the lock), waiting
+        up to TAKE_WAIT_S for the pool's offer of a lease that has not ended."""
+        deadline = None
+        while True:
+            held = self.held.get(lease_id)
+            if held is not None:
+                return held
+            reason = self.ended.get(lease_id)
+            if reason is not None:
+                raise LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
+            if self.restarted:
+                raise SandboxLost("lease %s: its handle host %s was restarted after its "
+                                  "process or Ray node died, and the sandbox is lost"
+                                  % (lease_id, self.name))
+            now = time.monotonic()
+            deadline = deadline or now + TAKE_WAIT_S
+            if now >= deadline:
+                raise SandboxLost("lease %s is not held (released, reclaimed or lost)"
+                                  % lease_id)
+            self.arrived.wait(deadline - now)
 
     def _call(self, lease_id: str, op: str, args, kwargs, packed: Optional[bytes] = None):
         """One daemon call on a lease; ``packed``: args and kwargs as _Method.remote
@@ -414,8 +459,7 @@ for _op in FORWARDED:
 
 HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries=-1,
                         max_concurrency=HOST_THREADS,
-                        concurrency_groups={"control": CONTROL_THREADS,
-                                            "acquire": ACQUIRE_THREADS})(_HandleHost)
+                        concurrency_groups={"control": CONTROL_THREADS})(_HandleHost)
 
 
 class _Method:
@@ -461,8 +505,9 @@ class SandboxHandle:
     and ``node_id``. Give it back with ``sandman_ray.release``."""
 
     def __init__(self, host, lease_id: str, sandbox_id: str, node_id: Optional[str],
-                 pool: str, owned: bool = True):
+                 pool: str, owned: bool = True, host_name: Optional[str] = None):
         self._host, self.lease_id, self.pool = host, lease_id, pool
+        self._host_name = host_name  # the holder the pool knows (release names it)
         self.sandbox, self.node = sandbox_id, node_id
         self._sent = _Sent()
         # the lease is released when this object is collected, unless it was passed on
@@ -482,7 +527,7 @@ class SandboxHandle:
         if self._finalizer is not None:
             self._finalizer.detach()
         return (SandboxHandle, (self._host, self.lease_id, self.sandbox, self.node, self.pool,
-                                False))
+                                False, self._host_name))
 
     def _released(self) -> None:
         if self._finalizer is not None:

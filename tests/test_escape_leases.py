@@ -97,28 +97,32 @@ def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider,
 
 
 def test_a_lease_ended_by_a_pool_restart_cannot_reach_the_next_tenant(provider, busybox_rootfs):
-    """The pool dies with a lease whose record it had not yet written (as when it dies
-    right after lending): the restarted pool starts that sandbox afresh before lending
-    it, so the old handle's connections and token are worthless."""
+    """The pool dies with a lease that no host holds yet (as when it dies right after
+    lending, before the client's host took it): the restarted pool, which learns of its
+    leases from the live hosts, starts that sandbox afresh before lending it, so the
+    lease's connections and token are worthless to whoever kept them."""
     import ray
     import sandman_ray as sandman
-    from ray.experimental import internal_kv
     from conftest import wait_until
+    from sandman_ray import DaemonClient
     image = "dir:%s" % busybox_rootfs
     pool = lease_pool()
     try:
-        sb = sandman.acquire(image, pool=pool)
-        ray.get(sb.exec.remote("true"))
-        for key in internal_kv._internal_kv_list("pool:%s:" % pool, namespace="sandman"):
-            internal_kv._internal_kv_del(key, namespace="sandman")
+        # lent by the pool itself to no host: the client holds the token alone
+        lease = ray.get(sandman.get_pool(pool).lease.remote(
+            sandman.SandboxSpec(image=image), "attacker", 60))
+        kept = DaemonClient(lease.address, lease.token)
+        assert kept.exec("true").exit_code == 0
         ray.kill(sandman.get_pool(pool), no_restart=False)
         wait_until(lambda: _settled(pool), timeout=60,
                    what="the restarted pool to start its sandbox afresh or delete it")
-        with pytest.raises(sandman.SandboxLost):  # LeaseEnded, or the sandbox's restart
-            ray.get(sb.exec.remote("true"))
-        # the new pool never knew the lease: the old handle learns only that its
-        # sandbox is gone (a new one, or the same one with a new token)
-        next_tenant_is_safe_from(sb, image, pool, sandman.SandboxLost)
+        with pytest.raises(sandman.ConnectionLost):  # its daemon is gone
+            kept.exec("true")
+        with sandman.sandbox(image, pool=pool, timeout=60) as new:
+            ray.get(new.write_file.remote("/tmp/secret", b"tenant B"))
+            with pytest.raises((sandman.AuthError, sandman.ConnectionLost)):
+                DaemonClient(lease.address, lease.token).exec("cat /tmp/secret")
+            assert ray.get(new.exec.remote("ls /tmp")).stdout == b"secret\n"
     finally:
         sandman.shutdown_pool(pool)
 

@@ -37,7 +37,8 @@ class FakeClock:
 class FakeCluster:
     def __init__(self):
         self.hosts, self.nodes = set(), {NODE, OTHER}
-        self.kv, self.told = {}, []
+        self.told, self.offered = [], []
+        self.held = {}  # host name -> the leases it holds
 
     async def live_hosts(self):
         return set(self.hosts)
@@ -45,17 +46,15 @@ class FakeCluster:
     async def alive_nodes(self):
         return set(self.nodes)
 
-    def persist(self, key, record):
-        self.kv[key] = dict(record)
-
-    def forget(self, key):
-        self.kv.pop(key, None)
-
-    async def recall(self, key):
-        return self.kv.get(key)
+    async def held_leases(self, pool):
+        return {lease.sandbox_id: (lease, host) for host, leases in self.held.items()
+                if host in self.hosts for lease in leases if lease.pool == pool}
 
     def tell_host(self, host, lease_id, reason):
         self.told.append((host, lease_id, reason))
+
+    def offer(self, host, lease):
+        self.offered.append((host, lease.lease_id))
 
 
 class NoMetrics:
@@ -90,8 +89,10 @@ class FakeProvider(Provider):
         return info
 
     async def reset(self, sandbox_id):
-        self.resets += 1
-        return self.sandboxes[sandbox_id]
+        self.resets += 1  # started afresh: a new token
+        info = dataclasses.replace(self.sandboxes[sandbox_id], token="t-%d" % self.resets)
+        self.sandboxes[sandbox_id] = info
+        return info
 
     async def delete(self, sandbox_id):
         self.calls.append(("delete", sandbox_id))
@@ -206,26 +207,24 @@ def test_ttl_idle_and_grace_reclaim_by_the_clock():
     run(main())
 
 
-def test_a_lease_whose_host_died_is_reclaimed_and_its_store_record_goes():
+def test_a_lease_whose_host_died_is_reclaimed():
     async def main():
         pool, _, clock, cluster = make(warm={SPEC: 1})
         await settle(pool)
         cluster.hosts = {"h1"}
         lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
-        key = "pool:p:lease:%s" % lease.sandbox_id
-        assert cluster.kv[key]["holder"] == "h1"
         clock.now += 1  # a sweep trusts only host lists taken after the registration
         await pool.sweep()
         assert pool.records.leased(lease.lease_id)
         cluster.hosts = set()
         await pool.sweep()
-        assert "host h1 is gone" in pool.ended[lease.lease_id] and key not in cluster.kv
+        assert "host h1 is gone" in pool.ended[lease.lease_id]
     run(main())
 
 
 def test_a_host_registers_leases_it_can_reach_at_once_and_only_it_may_end_them():
     async def main():
-        pool, provider, _, _ = make(warm={SPEC: 2})
+        pool, provider, _, cluster = make(warm={SPEC: 2})
         await settle(pool)
         here = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
         with pytest.raises(LeaseNotHeld):
@@ -236,7 +235,35 @@ def test_a_host_registers_leases_it_can_reach_at_once_and_only_it_may_end_them()
         rec = pool.records.leased(there.lease_id)
         assert rec.holder is None and not rec.registered_at  # a unix socket on another node
         assert pool.register(there.lease_id, "h4")  # the host of the sandbox's node
+        # the host that can reach its sandbox is handed the lease to connect at once
+        assert cluster.offered == [("h1", here.lease_id)]
         assert pool.release(here.lease_id, "h1") and pool.release(there.lease_id, "h4")
+    run(main())
+
+
+def test_a_lease_held_by_a_host_not_yet_seen_waits_for_the_grace():
+    """A client asks the pool itself while its host starts: until the host is seen
+    alive, its lease is reclaimed only after the grace; once seen, as soon as it is
+    gone."""
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 2}, lease_grace_s=30)
+        await settle(pool)
+        starting = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        clock.now += 1
+        await pool.sweep()
+        assert pool.records.leased(starting.lease_id)  # h1 not listed yet: it may be starting
+        cluster.hosts = {"h1"}
+        await pool.sweep()
+        cluster.hosts = set()
+        await pool.sweep()
+        assert "host h1 is gone" in pool.ended[starting.lease_id]
+        never = await pool.lease(SPEC, "c2", 5, holder="h2", holder_node=NODE)
+        clock.now += 29
+        await pool.sweep()
+        assert pool.records.leased(never.lease_id)
+        clock.now += 2
+        await pool.sweep()
+        assert "no host within 30 s" in pool.ended[never.lease_id]
     run(main())
 
 
@@ -339,7 +366,8 @@ def test_a_restarted_pool_adopts_its_sandboxes_with_their_whole_spec():
         provider.sandboxes["sbx-dead"] = SandboxInfo(**dict(gone.__dict__, alive=False))
         provider.sandboxes["sbx-nospec"] = provider._info("sbx-nospec", None, {POOL_LABEL: "p"},
                                                           NODE)
-        cluster.hosts = {"h1"}
+        cluster.hosts = {"h1", "h2"}
+        cluster.held = {"h1": [kept], "h2": [free]}  # h2 kept a lease that ended
         wanting = dataclasses.replace(old.config, warm={SPEC: 1})  # the free one is wanted
         new = Reconciler("p", wanting, provider, cluster, clock, NoMetrics())
         await new.recover()
@@ -347,7 +375,8 @@ def test_a_restarted_pool_adopts_its_sandboxes_with_their_whole_spec():
         assert rec.spec == old.config.limited(spec) and rec.spec.env == {"K": "v"}
         assert rec.holder == "h1" and "sbx-dead" not in provider.sandboxes
         assert "sbx-nospec" not in provider.sandboxes
-        # one without a lease record may have served a lease being written: afresh first
+        # one that no live host holds (or holds with a token it no longer takes) may
+        # have served a lease no host took yet: afresh first
         assert new.records.get(free.sandbox_id).state is State.RELEASING
         resets = provider.resets
         await settle(new)

@@ -1,25 +1,25 @@
 """Everything the reconciler asks of Ray, in one class, and the clock it reads.
 
-``RayCluster`` answers which handle hosts are alive (by name, never by reference: a
-reference would keep a host alive), which Ray nodes are alive, keeps lease records in
-the GCS key-value store, and tells a host that one of its leases ended. Every call
+``RayCluster`` answers which handle hosts are alive (by name) and which leases of a
+pool they hold (a restarted pool's record of its leases), hands a host the leases it
+holds and tells it of those that ended (each host's handle is looked up by name once,
+and dropped once the host is gone), and answers which Ray nodes are alive. Every call
 that crosses the network runs off the pool's event loop. The unit tests give the
 reconciler a fake of it instead, and a fake ``Clock``.
 """
 
 import asyncio
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Dict, Optional
 
 import ray
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "sandman"
-KV_NAMESPACE = "sandman"
+HOSTS_ANSWER_S = 10.0  # how long a restarted pool waits for the hosts' leases
 HOST_PREFIX = "sandman:sbx:"  # the names of handle hosts
 
 
@@ -40,54 +40,82 @@ class Clock:
 
 class RayCluster:
     def __init__(self):
-        self.kv_thread: Optional[ThreadPoolExecutor] = None    # lease records, in order
         self.host_thread: Optional[ThreadPoolExecutor] = None  # telling hosts
+        # host name -> its actor handle, looked up once (on the host thread only)
+        self.hosts: Dict[str, object] = {}
 
     async def live_hosts(self) -> set:
-        return await asyncio.get_running_loop().run_in_executor(None, live_host_names)
+        names = await asyncio.get_running_loop().run_in_executor(None, live_host_names)
+        if self.host_thread is not None:
+            self.host_thread.submit(self.forget_hosts, names)
+        return names
 
     async def alive_nodes(self) -> set:
         return await asyncio.get_running_loop().run_in_executor(None, alive_nodes)
 
-    # ---- lease records
-    def _kv(self, fn, *args):
-        """A GCS key-value call, off the event loop (each is a network round trip), in
-        order (one thread)."""
-        if self.kv_thread is None:
-            self.kv_thread = ThreadPoolExecutor(1, thread_name_prefix="sandman-kv")
-        return self.kv_thread.submit(fn, *args, namespace=KV_NAMESPACE)
-
-    def persist(self, key: str, record: dict) -> None:
-        from ray.experimental import internal_kv
-        self._kv(internal_kv._internal_kv_put, key, json.dumps(record))
-
-    def forget(self, key: str) -> None:
-        from ray.experimental import internal_kv
-        self._kv(internal_kv._internal_kv_del, key)
-
-    async def recall(self, key: str) -> Optional[dict]:
-        from ray.experimental import internal_kv
-        raw = await asyncio.wrap_future(self._kv(internal_kv._internal_kv_get, key))
-        return json.loads(raw) if raw else None
+    # ---- leases
+    async def held_leases(self, pool: str) -> Dict[str, tuple]:
+        """sandbox id -> (Lease, host name) for every lease of ``pool`` that a live host
+        holds (a restarted pool's record of its leases). A host that does not answer
+        within HOSTS_ANSWER_S counts as holding none."""
+        names = await self.live_hosts()
+        return await asyncio.get_running_loop().run_in_executor(None, _held_by, names, pool)
 
     # ---- hosts
+    def offer(self, host: str, lease) -> None:
+        """Hand the host named ``host`` the lease it now holds (it connects to the
+        sandbox before its client's first call arrives)."""
+        self._to_host(host, "take", lease)
+
     def tell_host(self, host: str, lease_id: str, reason: str) -> None:
-        """Tell the host named ``host`` that ``lease_id`` ended, off the event loop (a
-        name lookup is a GCS call). The host's handle is dropped at once."""
+        """Tell the host named ``host`` that ``lease_id`` ended."""
+        self._to_host(host, "lease_ended", lease_id, reason)
+
+    def _to_host(self, host: str, method: str, *args) -> None:
+        """A call to the host named ``host``, sent off the event loop (a name lookup is
+        a GCS call) and in order, without waiting for its answer."""
         if self.host_thread is None:
             self.host_thread = ThreadPoolExecutor(1, thread_name_prefix="sandman-hosts")
-        self.host_thread.submit(_tell_host, host, lease_id, reason)
+        self.host_thread.submit(self._send, host, method, args)
+
+    def _send(self, host: str, method: str, args: tuple) -> None:
+        actor = self.hosts.get(host)
+        if actor is None:
+            try:
+                actor = self.hosts[host] = ray.get_actor(host, namespace=NAMESPACE)
+            except ValueError:  # gone: nothing holds the lease any more
+                return
+        try:
+            getattr(actor, method).remote(*args)
+        except Exception:  # noqa: BLE001 - a host that died meanwhile holds nothing
+            self.hosts.pop(host, None)
+            logger.debug("host %s could not be sent %s%r", host, method, args[:1])
+
+    def forget_hosts(self, live: set) -> None:
+        """Drop the handles of hosts that are no longer among the ``live`` ones."""
+        for name in [n for n in self.hosts if n not in live]:
+            self.hosts.pop(name, None)
 
 
-def _tell_host(host: str, lease_id: str, reason: str) -> None:
-    try:
-        actor = ray.get_actor(host, namespace=NAMESPACE)
-    except ValueError:  # gone: nothing holds the lease any more
-        return
-    try:
-        actor.lease_ended.remote(lease_id, reason)
-    except Exception:  # noqa: BLE001 - a host that died meanwhile holds nothing
-        logger.debug("host %s could not be told that %s ended", host, lease_id)
+def _held_by(names: set, pool: str) -> Dict[str, tuple]:
+    asked = {}
+    for name in names:
+        try:
+            asked[ray.get_actor(name, namespace=NAMESPACE).leases.remote(pool)] = name
+        except ValueError:  # gone meanwhile: it holds nothing
+            continue
+    if not asked:
+        return {}
+    ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=HOSTS_ANSWER_S)
+    found = {}
+    for ref in ready:
+        try:
+            leases = ray.get(ref)
+        except ray.exceptions.RayError:
+            continue
+        for lease in leases:
+            found[lease.sandbox_id] = (lease, asked[ref])
+    return found
 
 
 def alive_nodes() -> set:

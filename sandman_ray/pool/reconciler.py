@@ -7,16 +7,17 @@ delete released sandboxes, delete surplus. Every question is answered from the
 indexes of ``Records``, so a tick costs what changed since the last one, not the
 number of records. State transitions happen only through ``Records.move``; side
 effects only through the provider; Ray only through ``cluster`` (the actor's
-``RayCluster``: live hosts, alive nodes, the lease store, telling a host); time only
+``RayCluster``: live hosts and the leases they hold, alive nodes, handing a host a
+lease and telling it one ended); time only
 through ``clock``. The unit tests drive it with a fake of each.
 
 The watchdog (``sweep``) reclaims leases whose holder, the client's handle host, is
 gone, that no host registered within the grace, or that outlived their TTL or idle
 timeout. Sandboxes on a Ray node that has died went with it: ``drop_dead_nodes``
 forgets them (ending their leases) and their warm capacity is created again on the
-nodes that are left. Leases are written to the lease store, so a restarted pool
-rebuilds its state from the provider's labelled inventory and those records
-(``recover``): live leases go on, the rest is reclaimed, nothing is leased twice.
+nodes that are left. A restarted pool rebuilds its state from the provider's
+labelled inventory and the leases that the live hosts hold (``recover``): those go on, the rest is started afresh, nothing is
+leased twice.
 """
 
 import asyncio
@@ -125,10 +126,11 @@ class Reconciler:
                     lease_id: Optional[str] = None) -> Lease:
         """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
 
-        holder: the handle host that will hold the lease. When the sandbox is one that
-            host can reach (on ``holder_node``, or at a TCP address), the lease is
-            registered to it at once; otherwise the host of the sandbox's node
-            registers it (``register``), within the grace.
+        holder: the name of the handle host that will hold the lease. When the sandbox
+            is one that host can reach (on ``holder_node``, or at a TCP address), the
+            lease is registered to it at once and offered to it (``cluster.offer``: it
+            connects before the client's first call); otherwise the host of the
+            sandbox's node registers it (``register``), within the grace.
         lease_id: the caller's id for the lease (a 128-bit secret it made), so that it
             can ``cancel`` a request whose answer it has not seen."""
         spec = self.config.limited(SandboxSpec.of(spec))
@@ -197,12 +199,11 @@ class Reconciler:
         self._check_holder(rec, holder, "register")
         self._hold(rec, holder)
         self.stats["registered"] += 1
-        self.cluster.persist(self._kv_key(rec.sandbox_id), self._lease_record(rec))
         return True
 
-    def _hold(self, rec: Sandbox, holder: str) -> None:
+    def _hold(self, rec: Sandbox, holder: str, seen: bool = True) -> None:
         self.records.hold(rec, holder)
-        rec.holder_seen = True
+        rec.holder_seen = seen
         rec.registered_at = rec.last_used = self.clock.monotonic()
 
     def touch(self, lease_id: str, holder: Optional[str] = None) -> bool:
@@ -257,20 +258,23 @@ class Reconciler:
         now = self.clock.monotonic()
         info = rec.info
         lease = Lease(waiter.lease_id, rec.sandbox_id, info.address, info.token,
-                      info.node_id, self.name)
+                      info.node_id, self.name, waiter.client, self.clock.time())
         self.records.lend(rec, lease, waiter.client, None)
         rec.holder_seen, rec.registered_at = False, 0.0
         rec.leased_at = rec.last_used = now
         if waiter.holder is not None:
             if waiter.holder_node is None:  # an actor to watch; any host may register
                 self.records.hold(rec, waiter.holder)
-            elif reachable(info, waiter.holder_node):  # the asking host holds it now
-                self._hold(rec, waiter.holder)
+            elif reachable(info, waiter.holder_node):
+                # the client's host holds it now, and is handed it to connect before the
+                # client's first call comes (the host may still be starting: it is
+                # reclaimed for being gone only once it was seen)
+                self._hold(rec, waiter.holder, seen=False)
+                self.cluster.offer(waiter.holder, lease)
         self._to(rec, State.LEASED, "lent to %s" % waiter.client)
         self.last_lent[rec.spec] = now
         self.stats["leases"] += 1
         self.metrics.lent(now - waiter.enqueued)
-        self.cluster.persist(self._kv_key(rec.sandbox_id), self._lease_record(rec))
         waiter.future.set_result(lease)
 
     def allowed(self, client: str) -> bool:
@@ -283,7 +287,6 @@ class Reconciler:
         did not end it itself) is told, and stops forwarding its calls."""
         if rec.lease is not None:
             self.ended.note(rec.lease.lease_id, reason)
-            self.cluster.forget(self._kv_key(rec.sandbox_id))
             if tell_host and rec.holder is not None:
                 self.cluster.tell_host(rec.holder, rec.lease.lease_id,
                                        "%s (pool %s)" % (reason, self.name))
@@ -606,47 +609,34 @@ class Reconciler:
             await self.provider.close()
         return len(recs)
 
-    # ------------------------------------------------------------------ persistence
-    def _kv_key(self, sandbox_id: str) -> str:
-        return "pool:%s:lease:%s" % (self.name, sandbox_id)
-
-    def _lease_record(self, rec: Sandbox) -> dict:
-        return {"lease_id": rec.lease.lease_id, "client": rec.client, "holder": rec.holder,
-                "leased_wall": self.clock.time() - (self.clock.monotonic() - rec.leased_at)}
-
+    # ------------------------------------------------------------------ recovery
     async def recover(self) -> None:
-        """After a restart: adopt the provider's sandboxes of this pool; leases whose
-        host lives on (or may still register) continue, the rest is released."""
+        """After a restart: adopt the provider's sandboxes of this pool. The leases that
+        live hosts hold go on (the hosts are the pool's record of them); every other
+        sandbox is started afresh (a new token) before anyone is lent it, since it may
+        have served a lease no host had taken yet."""
         infos = await self.provider.list({POOL_LABEL: self.name})
         if not infos:
             return
-        names = await self.cluster.live_hosts()
+        held = await self.cluster.held_leases(self.name)
         now_wall, now = self.clock.time(), self.clock.monotonic()
         for info in infos:
             if not info.alive or info.spec is None:  # died while we were down, or unknown
                 await self._provider_delete(info.sandbox_id)
                 continue
             rec = Sandbox(info.sandbox_id, info.spec, State.RELEASING, now, info=info)
-            record = await self.cluster.recall(self._kv_key(info.sandbox_id))
-            # Without a lease record it may still have served a lease whose record was
-            # being written when the old pool died: it starts afresh (a new token)
-            # before anyone else is lent it.
-            if record is None:
+            lease, holder = held.get(info.sandbox_id, (None, None))
+            if lease is not None and lease.token != info.token:
+                lease = None  # started afresh since: that lease is over
+            if lease is None:
                 self.records.add(rec)
             else:
-                age = now_wall - record["leased_wall"]
-                holder = record.get("holder")
-                alive = holder in names if holder else age < self.config.lease_grace_s
                 rec.state = State.LEASED
                 self.records.add(rec)
-                lease = Lease(record["lease_id"], info.sandbox_id, info.address, info.token,
-                              info.node_id, self.name)
-                self.records.lend(rec, lease, record["client"], holder)
-                rec.holder_seen = bool(holder)
-                rec.registered_at = now if holder else 0.0
-                rec.leased_at = rec.last_used = now - age
-                if not alive:
-                    self.end_lease(rec, "recovered without a live host")
+                self.records.lend(rec, lease, lease.client, holder)
+                rec.holder_seen = True
+                rec.registered_at = now
+                rec.leased_at = rec.last_used = now - max(now_wall - lease.leased_wall, 0.0)
             self._event(rec, "recovered as %s" % rec.state.value)
         logger.info("pool %s: recovered %d sandboxes", self.name, len(infos))
 

@@ -61,7 +61,9 @@ class Lease:
     """A sandbox lent to one client until released.
 
     lease_id: unique per lease (a sandbox leased twice gets two). sandbox_id, address,
-    token, node_id: where its daemon is. pool: the pool that lent it.
+    token, node_id: where its daemon is. pool: the pool that lent it; client: to whom;
+    leased_wall: when (wall clock). The hosts that hold leases are the pool's record of
+    them: a restarted pool asks them.
     """
 
     lease_id: str
@@ -70,6 +72,8 @@ class Lease:
     token: str
     node_id: Optional[str]
     pool: str
+    client: str = ""
+    leased_wall: float = 0.0
 
 
 @dataclass

@@ -17,12 +17,17 @@ On a local Ray with the LocalProvider:
   burst  N acquires from M client processes at once, cold (no sandbox yet) and warm (N
          ready), time to 50 % and 100 % usable (acquired and ``true`` answered), with the
          median time each sandbox spent per stage: queued, created, started until it
-         answered, ready until lent, lent until usable. Beside it, the same N without the
-         pool: each client process starting its own sandboxes at once through the
-         provider.
+         answered, ready until lent, lent until usable, and the PoolActor's CPU per
+         sandbox (its leases, first calls and releases); for the warm burst, leases per
+         second. Beside it, the same N without the pool: each client process starting its
+         own sandboxes at once through the provider; and the raw provider burst: N
+         created at once through the provider from one process. (A pooled client calls
+         ``sandman_ray.prepare`` as it starts, before the clock starts, as the unpooled
+         one binds its provider.)
   cycle  one client on a warm pool, one lease cycle after another: acquire, a first
          ``exec true``, release, and the whole cycle, p50 and p99, also in bare actor
-         calls (timed back to back, in rounds between the rounds of cycles).
+         calls (timed back to back, in rounds between the rounds of cycles), and the
+         PoolActor's CPU per cycle.
   reuse  E episodes on K sandboxes (K at a time; an episode runs one command):
          release and acquire again (a reset) versus a new sandbox per episode.
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
@@ -341,15 +346,62 @@ def burst(n: int, clients: int, image: str) -> dict:
         try:
             if kind == "warm":
                 wait_for(lambda: states(pool)["ready"] >= n, "%d warm sandboxes" % n)
+            pid = ray.get(sandman.get_pool(pool).status.remote())["pid"]
+            cpu = process_cpu_s(pid)
             start, usable = clients_burst(POOLED_CLIENT, address, pool, image, n, clients)
             out[kind] = summary(start, usable)
+            # leases, first calls and releases (the clients release before they exit)
+            out[kind]["pool_cpu_ms_per_sandbox"] = (process_cpu_s(pid) - cpu) * 1e3 / n
             out[kind]["stages_s"] = stages(pool, start, usable)
+            if kind == "warm":
+                lent = lent_times(pool, start)
+                out[kind]["leases_per_s"] = len(lent) / max(lent) if lent else 0.0
         finally:
             sandman.shutdown_pool(pool)
     name = "bench-unpooled-" + uuid.uuid4().hex[:6]
     start, usable = clients_burst(UNPOOLED_CLIENT, address, name, image, n, clients)
     out["unpooled"] = summary(start, usable)
+    out["raw provider"] = raw_burst(n, image)
+    out["ratios"] = {
+        "cold pool / unpooled": out["cold"]["usable_100_s"] / out["unpooled"]["usable_100_s"],
+        "cold pool / raw provider": out["cold"]["usable_100_s"]
+        / out["raw provider"]["usable_100_s"],
+        "warm: unpooled / pool": out["unpooled"]["usable_100_s"] / out["warm"]["usable_100_s"]}
     return out
+
+
+def raw_burst(n: int, image: str) -> dict:
+    """``n`` sandboxes created at once through the provider from this process, no pool
+    and one client: create, connect, ``exec true``."""
+    raw = provider().bind("bench-raw-" + uuid.uuid4().hex[:6])
+    spec = SandboxSpec(image=image)
+
+    async def run() -> tuple:
+        start = time.time()
+
+        async def one():
+            await create_and_exec(raw, spec)
+            return time.time(), ""
+        return start, await asyncio.gather(*[one() for _ in range(n)])
+    try:
+        start, usable = asyncio.run(run())
+    finally:
+        asyncio.run(raw.shutdown())
+    return summary(start, usable)
+
+
+def lent_times(pool: str, start: float) -> List[float]:
+    """Seconds from ``start`` to each lease the pool made after it."""
+    return [when - start for when, _, state, _ in
+            ray.get(sandman.get_pool(pool).recent_events.remote(100000))
+            if state == "leased" and when >= start]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` has used."""
+    with open("/proc/%d/stat" % pid) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(start: float, usable: List[tuple]) -> dict:
@@ -406,6 +458,8 @@ def reuse(episodes: int, k: int, image: str) -> dict:
     finally:
         sandman.shutdown_pool(pool)
         asyncio.run(fresh.shutdown())
+    out["ratio"] = {"reset / re-create": out["reset"]["episodes_per_s"]
+                    / out["re-create"]["episodes_per_s"]}
     return out
 
 
@@ -423,12 +477,15 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
     wait_for(lambda: states(pool)["ready"] >= warm, "%d warm sandboxes" % warm)
     bare = Bare.remote()
     times: Dict[str, List[float]] = {name: [] for name in CYCLE_STEPS + ("bare call",)}
+    pid = ray.get(sandman.get_pool(pool).status.remote())["pid"]
     try:
         sandman.release(sandman.acquire(image, pool=pool, timeout=120))  # the host starts
         ray.get(bare.noop.remote())
+        cpu = process_cpu_s(pid)
         for _ in range(rounds):
+            # one client, one lease at a time: the warm pool always has one ready
+            wait_for(lambda: states(pool)["ready"] >= warm - 1, "ready sandboxes")
             for _ in range(max(1, cycles // rounds)):
-                wait_for(lambda: states(pool)["ready"] >= warm // 2, "ready sandboxes")
                 t0 = time.perf_counter()
                 sb = sandman.acquire(image, pool=pool, timeout=120)
                 t1 = time.perf_counter()
@@ -442,10 +499,13 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
                 t = time.perf_counter()
                 ray.get(bare.noop.remote())
                 times["bare call"].append(time.perf_counter() - t)
+        # a lease, its release and its reset (and a status question per round)
+        pool_cpu = (process_cpu_s(pid) - cpu) * 1e3 / len(times["acquire"])
     finally:
         sandman.shutdown_pool(pool)
     out = {name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "samples": len(v)}
            for name, v in times.items()}
+    out["pool_cpu_ms_per_cycle"] = pool_cpu
     call = out["bare call"]["p50_ms"]
     out["in bare calls"] = {"%s %s" % (name, q): out[name]["%s_ms" % q] / call
                             for name in CYCLE_STEPS for q in ("p50", "p99")}
@@ -462,6 +522,8 @@ def _cycle_rows(c: dict) -> List[tuple]:
     rows.append(("cycle", "bare actor call (rounds between the cycles)",
                  "%.2f ms" % c["bare call"]["p50_ms"],
                  "p99 %.2f ms" % c["bare call"]["p99_ms"]))
+    rows.append(("cycle", "PoolActor CPU per cycle (lease, release, reset)",
+                 "%.2f ms" % c["pool_cpu_ms_per_cycle"], ""))
     return rows
 
 
@@ -542,6 +604,10 @@ def table(results: dict, args) -> List[tuple]:
     if "cycle" in results:
         rows += _cycle_rows(results["cycle"])
     for name, row in results.get("reuse", {}).items():
+        if name == "ratio":
+            rows.append(("reuse", "reset vs re-create", "%.2fx the episodes/s"
+                         % row["reset / re-create"], ""))
+            continue
         rows.append(("reuse", "%s: %d episodes on %d sandboxes" % (name, row["episodes"], args.k),
                      "%.1f episodes/s" % row["episodes_per_s"],
                      "p50 %.1f ms, p99 %.1f ms" % (row["p50_ms"], row["p99_ms"])))
@@ -664,16 +730,23 @@ def _noop_rows(noop: dict) -> List[tuple]:
 
 def _burst_rows(b: dict, args) -> List[tuple]:
     rows = []
-    for kind in ("cold", "cold, pacing off", "warm", "unpooled"):
-        rows.append(("burst", "%s: %d from %d clients, 50 %% / 100 %% usable"
-                     % (kind, args.n, args.clients),
-                     "%.2f s / %.2f s" % (b[kind]["usable_50_s"], b[kind]["usable_100_s"]), ""))
+    for kind in ("cold", "cold, pacing off", "warm", "unpooled", "raw provider"):
+        clients = 1 if kind == "raw provider" else args.clients
+        rows.append(("burst", "%s: %d from %d client%s, 50 %% / 100 %% usable"
+                     % (kind, args.n, clients, "s" * (clients > 1)),
+                     "%.2f s / %.2f s" % (b[kind]["usable_50_s"], b[kind]["usable_100_s"]),
+                     "PoolActor CPU %.1f ms per sandbox" % b[kind]["pool_cpu_ms_per_sandbox"]
+                     if "pool_cpu_ms_per_sandbox" in b[kind] else ""))
         if "stages_s" in b[kind]:
             rows.append(("burst", "%s: median per stage" % kind, "", ", ".join(
                 "%s %.2f s" % kv for kv in b[kind]["stages_s"].items())))
+    rows.append(("burst", "warm: leases per second (4 clients, warm pool of %d)" % args.n,
+                 "%.0f /s" % b["warm"]["leases_per_s"], ""))
     for kind in ("cold", "cold, pacing off", "warm"):
         rows.append(("burst", "%s pool vs unpooled, 100 %% usable" % kind, "%.2fx sooner" % (
             b["unpooled"]["usable_100_s"] / b[kind]["usable_100_s"]), ""))
+    rows.append(("burst", "cold pool / raw provider burst, 100 %% usable", "%.2fx" %
+                 b["ratios"]["cold pool / raw provider"], ""))
     return rows
 
 

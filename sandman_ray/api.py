@@ -15,6 +15,7 @@ from sandman_ray.handle import HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.reconciler import reachable
+from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
@@ -179,7 +180,7 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
         started = host.started_ref()
         host_died = False
         try:
-            lease = ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30)
+            lease = unpack_lease(ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30))
             if started is not None:
                 host_died = True  # an error from here on is the host's
                 ray.get(started, timeout=max(deadline - time.monotonic(), 0) + 30)
@@ -204,7 +205,8 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
         started = host.started_ref()
         host_died = False
         try:
-            lease = await asyncio.wait_for(asked, max(deadline - time.monotonic(), 0) + 30)
+            lease = unpack_lease(await asyncio.wait_for(asked,
+                                                        max(deadline - time.monotonic(), 0) + 30))
             if started is not None:
                 host_died = True
                 await asyncio.wait_for(started, max(deadline - time.monotonic(), 0) + 30)
@@ -231,9 +233,11 @@ def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optio
          deadline: float, lease_id: str):
     """The pool's ``lease`` call for ``host`` (an ObjectRef), under a task name the Ray
     dashboard shows."""
-    return actor.lease.options(name="sandman:acquire:%s" % pool).remote(
-        SandboxSpec.of(spec), client or _client_id(), max(deadline - time.monotonic(), 0.001),
-        host.name, node, lease_id)
+    if not isinstance(spec, str):
+        spec = SandboxSpec.of(spec)
+    return actor.lease.options(name="sandman:acquire:%s" % pool).remote(pack_lease_request(
+        spec, client or _client_id(), max(deadline - time.monotonic(), 0.001), host.name,
+        node, lease_id))
 
 
 def _handle(lease, host: _Host) -> SandboxHandle:
@@ -316,8 +320,9 @@ def _release_refs(handle: SandboxHandle) -> list:
     handle._released()
     if handle._host_name is None:
         return [handle._host.release.remote(handle.lease_id, handle.pool)]
-    return [handle._host.release.remote(handle.lease_id, None, None, False),
-            get_pool(handle.pool).release.remote(handle.lease_id, handle._host_name)]
+    return [handle._host.drop.remote(handle.lease_id),
+            get_pool(handle.pool).release.remote(
+                ("%s\0%s" % (handle.lease_id, handle._host_name)).encode())]
 
 
 def _check_released(errors: list) -> None:

@@ -296,6 +296,12 @@ class _HandleHost:
             self._tell_pool(held.lease.pool, "release", lease_id, self.name)
         return True
 
+    @ray.method(concurrency_group="control")
+    def drop(self, lease_id: str) -> bool:
+        """``release`` without telling the pool: ``sandman_ray.release`` ends the lease
+        at the pool itself, at once."""
+        return self.release(lease_id, tell_pool=False)
+
     def _release_late(self, lease_id: str) -> None:
         try:
             self.release(lease_id)

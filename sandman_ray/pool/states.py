@@ -76,6 +76,31 @@ class Lease:
     leased_wall: float = 0.0
 
 
+def pack_lease_request(spec, client: str, timeout_s: float, holder: str, holder_node: str,
+                       lease_id: str) -> bytes:
+    """An acquire's request to the pool as one bytes argument (``PoolActor.lease``)."""
+    from sandman_ray.daemon.sandmand.wire import pack
+    return pack([spec if isinstance(spec, str) else spec.to_dict(), client, timeout_s,
+                 holder, holder_node, lease_id])
+
+
+def unpack_lease_request(data: bytes) -> list:
+    from sandman_ray.daemon.sandmand.wire import unpack
+    spec, *rest = unpack(data)
+    return [spec if isinstance(spec, str) else SandboxSpec.from_dict(spec)] + rest
+
+
+def pack_lease(lease: Lease) -> bytes:
+    from sandman_ray.daemon.sandmand.wire import pack
+    return pack([lease.lease_id, lease.sandbox_id, lease.address, lease.token,
+                 lease.node_id, lease.pool, lease.client, lease.leased_wall])
+
+
+def unpack_lease(data: bytes) -> Lease:
+    from sandman_ray.daemon.sandmand.wire import unpack
+    return Lease(*unpack(data))
+
+
 @dataclass
 class Sandbox:
     """The pool's record of one sandbox."""

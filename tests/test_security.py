@@ -165,8 +165,9 @@ def test_tokens_are_compared_in_constant_time():
     from sandman_ray.daemon.sandmand import connection
     assert Path(connection.__file__).parent == DAEMON  # the package the sandboxes run
     assert connection._tokens_equal in (hmac.compare_digest, _operator._compare_digest)
-    assert ("_tokens_equal(token.encode(), self.daemon.token.encode())"
-            in Path(connection.__file__).read_text())
+    text = Path(connection.__file__).read_text()
+    assert "_tokens_equal(given, self.daemon.token.encode())" in text  # the lease's
+    assert "_tokens_equal(given, admin.encode())" in text  # the launcher's (renew)
     source = "".join(path.read_text() for path in sorted(DAEMON.rglob("*.py")))
     assert [line for line in source.splitlines()
             if "token" in line and ("==" in line or "!=" in line)] == []

@@ -6,6 +6,9 @@ Usage::
                 --listen unix:/run/sandman/sock | tcp:HOST:PORT | fd:N
                 [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable;
                                                       the file is removed once read)
+                [--admin-token-fd N]    (the launcher's token, for renew)
+                [--root DIR]            (run in DIR, a path of the root it starts in,
+                                         which renew moves it out of)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
                 [--hello-timeout SECONDS] [--user UID[:GID]] [--limits K=V,...]
                 [--socket-mode OCTAL]   (a unix socket's mode, default 0600)
@@ -13,7 +16,8 @@ Usage::
                                          memory.events or v1 memory.oom_control; else
                                          the first of OOM_COUNTERS that can be read)
 
---user drops to that uid/gid once listening (the socket is handed to it too);
+--user drops to that uid/gid once listening (the socket is handed to it too); --root
+needs root's CAP_SYS_CHROOT (not with --user);
 --limits records the limits the launcher applied, reported by ``info``.
 """
 
@@ -35,7 +39,8 @@ def parse_args(argv):
     opts = {"listen": None, "token_file": None, "token_fd": None, "workdir": None,
             "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
-            "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None}
+            "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None,
+            "admin_token_fd": None, "root": None}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -66,6 +71,10 @@ def main(argv=None):
             token = fh.read(4096).decode("ascii", "replace").strip()
     else:
         token = os.environ.get("SANDMAN_TOKEN", "")
+    admin_token = None
+    if opts["admin_token_fd"] is not None:
+        with os.fdopen(int(opts["admin_token_fd"]), "rb") as fh:
+            admin_token = fh.read(4096).decode("ascii", "replace").strip() or None
     for key in [k for k in os.environ if k.startswith("SANDMAN_")]:
         del os.environ[key]
     if not token:
@@ -73,9 +82,16 @@ def main(argv=None):
     ready_fd = int(opts["ready_fd"]) if opts["ready_fd"] is not None else None
     listen_fd = int(opts["listen"][3:]) if opts["listen"].startswith("fd:") else None
     _close_inherited(keep=(ready_fd, listen_fd))
+    skeleton = None
+    if opts["root"]:
+        if opts["user"]:
+            raise SystemExit("sandmand: --root and --user exclude each other")
+        skeleton = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.chroot(opts["root"])
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
+    daemon.admin_token, daemon.skeleton = admin_token, skeleton
     daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")
                                  if item)
     try:

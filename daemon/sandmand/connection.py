@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - every CPython has it
 from .fields import RequestError, check_fields, error_body
 from .loop import CancelledError, Event
 from .wire import (
-    HELLO_MAX_FRAME, MAX_FRAME, MAX_IN_FLIGHT, PROTOCOL_VERSION, CodecError, FrameReader,
+    ADMIN_OPS, HELLO_MAX_FRAME, MAX_FRAME, MAX_IN_FLIGHT, PROTOCOL_VERSION, CodecError, FrameReader,
     encode_frame, unpack)
 
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # queued reply bytes past which we stop reading
@@ -39,6 +39,7 @@ class Connection:
         self.reader = FrameReader(HELLO_MAX_FRAME)  # a client proves itself first
         self.out = bytearray()
         self.authed = False
+        self.admin = False  # said hello with the launcher's admin token
         self.uploads = {}  # upload id -> (target path, spool file)
         self.closing = False
         self.closed = False
@@ -196,9 +197,17 @@ class Connection:
         if req.get("op") != "hello":
             self._fail("AuthError", "the first frame must be a hello")
             return
-        if not isinstance(token, str) or not _tokens_equal(token.encode(), self.daemon.token.encode()):
+        admin = self.daemon.admin_token
+        given = token.encode() if isinstance(token, str) else None
+        # both compared, in constant time; no lease token is valid while a renew runs
+        lease_ok = given is not None and self.daemon.token is not None and \
+            _tokens_equal(given, self.daemon.token.encode())
+        admin_ok = given is not None and admin is not None and \
+            _tokens_equal(given, admin.encode())
+        if not (lease_ok or admin_ok):
             self._fail("AuthError", "wrong token")
             return
+        self.admin = admin_ok
         if req.get("version") != PROTOCOL_VERSION:
             self._fail("ProtocolError", "unsupported protocol version %r (this daemon speaks %d)"
                        % (req.get("version"), PROTOCOL_VERSION))
@@ -225,6 +234,10 @@ class Connection:
                 "type": "UnknownOp", "message": "unknown op %r" % (op,)}})
             return
         method, kind, schema = handler
+        if op in ADMIN_OPS and not self.admin:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "AuthError", "message": "%s is the launcher's op" % op}})
+            return
         try:
             check_fields(req, schema)
         except RequestError as exc:

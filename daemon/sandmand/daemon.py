@@ -10,7 +10,7 @@ import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 import _socket            # likewise socket.py
 
 from .connection import Connection, refuse
-from .fields import number_field
+from .fields import RequestError, bad_request, number_field
 from .loop import Loop, resolve_once, wait_all
 from .ops.exec import ExecOps
 from .ops.files import FileOps
@@ -47,7 +47,9 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
     shutdown); the other ops come from the mixins of ops/."""
 
     def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S):
-        self.token = token
+        self.token = token  # the lease's; None while a renew runs
+        self.admin_token = None  # the launcher's, for renew (None: no renew)
+        self.skeleton = None  # the root the daemon started in, when it runs in --root
         self.hello_timeout_s = hello_timeout_s
         self.workdir = workdir
         self.default_cap = default_cap
@@ -291,6 +293,60 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
         self.loop.call_soon(self.request_stop, grace)
         return None
 
+    async def op_renew(self, req, reply):
+        """The sandbox for its next lease, in two steps around the launcher's own work.
+        ``quiet``: no lease token is valid any more, every other connection is closed,
+        every process of the sandbox but the daemon is killed (and reaped), and every
+        session and background process is forgotten; answers how many processes are
+        left (0, or the launcher starts the sandbox afresh). ``enter``: the daemon
+        moves into ``root`` (a path of the root it started in, where the launcher
+        mounted the new writable layer) and takes ``token`` as the lease's."""
+        phase = req["phase"]
+        if self.skeleton is None:
+            raise RequestError("BadRequest", "this daemon was not started with --root: "
+                               "it cannot renew its sandbox")
+        if phase == "quiet":
+            self.token = None
+            for conn in list(self.connections):
+                if conn is not reply.conn:
+                    conn.close()
+            pids = [s.pid for s in self.sessions.values() if s.alive]
+            pids += [p.pid for p in self.procs.values() if p.running]
+            pids += list(self.children.waiting)
+            await self.terminate(pids, 0)
+            left = await self._kill_the_rest()
+            self.sessions.clear()
+            self.procs.clear()
+            return {"left": left}
+        if phase == "enter":
+            root, token = req.get("root"), req.get("token")
+            if not root or not token:
+                raise bad_request("renew enter needs root and token")
+            os.fchdir(self.skeleton)
+            os.chroot("./" + root.lstrip("/"))  # from the skeleton, not from the root
+            try:
+                os.chdir(self.workdir)
+            except OSError:
+                os.chdir("/")
+            self.token = token
+            return None
+        raise bad_request("renew: phase must be quiet or enter, got %r" % phase)
+
+    async def _kill_the_rest(self):
+        """SIGKILL every process of the sandbox but the daemon (and PID 1), until none
+        is left or KILL_SETTLE_S passed (a process that forks as it is killed); how
+        many are left."""
+        me = os.getpid()
+        deadline = time.monotonic() + KILL_SETTLE_S
+        while True:
+            kill_all(signal.SIGKILL)
+            self.children.reap()
+            others = [pid for pid in sandbox_pids() if pid not in (me, 1)
+                      and process_exists(pid)]
+            if not others or time.monotonic() >= deadline:
+                return len(others)
+            await self._tick()
+
     # ---- the sandbox's OOM kill counter
     def oom_count(self):
         """The sandbox's OOM kill count now (None without a counter)."""
@@ -304,6 +360,14 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
             return False
         after = oom_kills(self.oom_counter)
         return after is not None and after > before
+
+
+def sandbox_pids():
+    """The pids of the sandbox's pid namespace (its /proc)."""
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
 
 
 def read_os_release():

@@ -351,12 +351,18 @@ _COMMAND = {"cmd": required(str, list), "cwd": optional(str), "env": optional(di
 _PID = {"pid": required(int)}
 _PATH = {"path": required(str)}
 
+# Ops only a connection that said hello with the admin token may call.
+ADMIN_OPS = frozenset({"renew"})
+
 OPS = (
     # the daemon (daemon.py)
     Op("hello", "hello", False, {"token": required(str), "version": required(int)}),
     Op("ping", "sync", True, {}),
     Op("info", "sync", True, {}),
     Op("shutdown", "async", False, _GRACE),
+    # the launcher's own (its admin token, not a lease's): the sandbox for its next lease
+    Op("renew", "stream", False, {"phase": required(str), "root": optional(str),
+                                  "token": optional(str)}),
     # one-shot commands (ops/exec.py)
     Op("exec", "callback", True, dict(_COMMAND, timeout=optional(*_NUMBER), **_GRACE,
                                       max_output=optional(*_NUMBER), stream=optional(bool))),

@@ -17,15 +17,20 @@ from pathlib import Path
 from typing import Optional
 
 # linux/mount.h
-_OPEN_TREE, _FSOPEN, _FSCONFIG, _FSMOUNT, _MOUNT_SETATTR = 428, 430, 431, 432, 442
+_OPEN_TREE, _MOVE_MOUNT, _FSOPEN, _FSCONFIG, _FSMOUNT, _MOUNT_SETATTR = (
+    428, 429, 430, 431, 432, 442)
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_AT_RECURSIVE = 0x8000
+_MNT_DETACH = 2
 _OPEN_TREE_CLONE = 1
 _CLOEXEC = os.O_CLOEXEC
 _AT_FDCWD = -100
 _AT_EMPTY_PATH = 0x1000
-_FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 6
+_FSCONFIG_SET_STRING, _FSCONFIG_SET_FD, _FSCONFIG_CMD_CREATE = 1, 5, 6
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
+_MOUNT_ATTR_NOEXEC = 0x8
 _MOUNT_ATTR_IDMAP = 0x100000
 
 
@@ -79,6 +84,53 @@ def detached_tmpfs(size: int, uid: int = 0, gid: int = 0, mode: int = 0o755) -> 
         return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)  # CLOEXEC
     finally:
         os.close(fs)
+
+
+def detached_overlay(lower: int, upper: int, work: int) -> int:
+    """A new, detached, nosuid, nodev overlay of the directories open as ``lower``
+    (read-only), ``upper`` and ``work`` (one filesystem), given by descriptor: any of
+    them may be a detached mount."""
+    fs = _syscall(_FSOPEN, b"overlay", 1)
+    try:
+        for key, fd in ((b"lowerdir+", lower), (b"upperdir", upper), (b"workdir", work)):
+            _syscall(_FSCONFIG, fs, _FSCONFIG_SET_FD, key, None, fd)
+        _syscall(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+        return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    finally:
+        os.close(fs)
+
+
+def detached_fs(fstype: str) -> int:
+    """A new, detached, nosuid, nodev, noexec instance of ``fstype`` with no options
+    (``mqueue``: that of the caller's IPC namespace)."""
+    fs = _syscall(_FSOPEN, fstype.encode(), 1)
+    try:
+        _syscall(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+        return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
+    finally:
+        os.close(fs)
+
+
+def clone_tree(path: str) -> int:
+    """A detached copy of the mount at ``path`` with every mount below it."""
+    return _syscall(_OPEN_TREE, _AT_FDCWD, str(path).encode(),
+                    _OPEN_TREE_CLONE | _AT_RECURSIVE | _CLOEXEC)
+
+
+def attach(fd: int, target: str) -> None:
+    """Attach the detached mount ``fd`` at ``target``, in the caller's namespace (a
+    thread's own, once it entered another: providers/local/renew.py)."""
+    _syscall(_MOVE_MOUNT, fd, b"", _AT_FDCWD, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH)
+
+
+def detach(path: str) -> None:
+    """Detach the mount at ``path`` and those below it (gone once nothing uses them)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.umount2(str(path).encode(), _MNT_DETACH) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def fstab_path(path) -> str:

@@ -8,12 +8,13 @@ import os
 import re
 import secrets
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import ProviderError, SandboxLost
+from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import SandboxInfo, check_answers, fatal, transient
 from sandman_ray.providers.network import ray_node_addresses
 from sandman_ray.providers.nodes import SingleFlight
@@ -24,6 +25,11 @@ logger = logging.getLogger(__name__)
 # Lock files of the uid ranges that sandboxes of this host hold (providers/userns.py):
 # one place for every pool and state root, on a tmpfs that a reboot empties.
 RANGE_LOCKS = "/run/sandman-ray/id-ranges"
+# Threads that start (and stop) sandboxes side by side. Each sandbox's bwrap dies with
+# the thread that started it (its parent-death signal), so they are threads that live
+# as long as the agent: an executor's workers never exit before it shuts down, which an
+# agent's never does.
+LAUNCH_THREADS = 4
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -73,6 +79,8 @@ class NodeAgent:
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
         self.labels: Dict[str, Dict[str, str]] = {}
         self.creating = SingleFlight()  # a retried create joins the one in flight
+        self.launchers = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="sandman-launch")
+        self.renewing = None  # a NamespaceThread, made on the first renew
         self.closed = False  # shut down: no sandbox may start or stay
 
     def _remove_leftovers(self) -> None:
@@ -125,7 +133,7 @@ class NodeAgent:
         if spec.network:  # no route to any node of the cluster, this one's or another's
             sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses)
         try:
-            sandbox.launch()  # on the loop's thread, which lives as long as this actor
+            await self._launch(sandbox)
             await sandbox.wait_ready(self.ready_timeout_s)
         except SandboxLost as exc:
             await self._remove(sandbox)
@@ -142,12 +150,26 @@ class NodeAgent:
                         % (self.pool, self.node_id, sandbox_id))
         self.sandboxes[sandbox_id] = sandbox
         self.labels[sandbox_id] = dict(labels)
+        if sandbox.renewable:  # its next generation, made while it serves this one
+            loop.run_in_executor(None, self._prepare, sandbox)
         try:
             await check_answers(self._info(sandbox_id))  # what READY means, on this node
         except ProviderError:
             await self.delete(sandbox_id)
             raise
         return self._info(sandbox_id)
+
+    async def _launch(self, sandbox) -> None:
+        """Start ``sandbox``'s chain on a launcher thread (which lives as long as this
+        actor, as its bwrap must not outlive it)."""
+        await asyncio.get_running_loop().run_in_executor(self.launchers, sandbox.launch)
+
+    def _prepare(self, sandbox) -> None:
+        try:
+            sandbox.prepare_layer()
+        except OSError as exc:  # its resets start it afresh
+            logger.warning("pool %s: sandbox %s: no layer made ahead: %s", self.pool,
+                           sandbox.sandbox_id, exc)
 
     def _info(self, sandbox_id: str) -> SandboxInfo:
         sandbox = self.sandboxes[sandbox_id]
@@ -175,19 +197,32 @@ class NodeAgent:
             self.ranges.give_back(sandbox.sandbox_id)
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
-        """Kill the sandbox's processes (its writable layer goes with them), start it
-        again on the same image with a new token; answer when the daemon listens."""
+        """The sandbox as new, with a new token: renewed in place where it can be
+        (providers/local/renew.py: its processes killed, a fresh writable layer, the
+        daemon's state cleared), else its processes killed (its writable layer goes
+        with them) and started again on the same image; answer when it answers."""
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
-        sandbox.kill()
+        if sandbox.renewable and sandbox.layer is not None:
+            from sandman_ray.providers.local.renew import NamespaceThread
+            self.renewing = self.renewing or NamespaceThread()
+            try:
+                await sandbox.renew(self.renewing, self.ready_timeout_s)
+                return self._info(sandbox_id)
+            except (SandboxLost, OSError, ProviderError, SandmanError) as exc:
+                logger.warning("pool %s: sandbox %s could not be renewed (%s): starting it "
+                               "afresh", self.pool, sandbox_id, exc)
         try:
-            sandbox.launch()
+            await asyncio.get_running_loop().run_in_executor(self.launchers, sandbox.kill)
+            await self._launch(sandbox)
             await sandbox.wait_ready(self.ready_timeout_s)
             await check_answers(self._info(sandbox_id))
         except (SandboxLost, OSError, ProviderError) as exc:
             await self.delete(sandbox_id)
             raise transient("sandbox %s did not come back from reset: %s" % (sandbox_id, exc))
+        if sandbox.renewable and sandbox.layer is None:
+            asyncio.get_running_loop().run_in_executor(None, self._prepare, sandbox)
         return self._info(sandbox_id)
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:

@@ -25,8 +25,10 @@ writable from inside, and nothing inside can move the socket aside or stand in f
 Every mount is attached only in that private mount namespace, so it vanishes with the
 sandbox: no mount can leak, and the writable layer (a tmpfs) is gone with it. bwrap dies
 with its parent (the node agent) and takes the whole pid namespace with it, so no
-process can outlive the agent. Reset starts the chain again: a fresh layer, a fresh
-daemon, a new token.
+process can outlive the agent. A reset renews the sandbox in place where it can
+(``renewable``: its root is then a read-only skeleton holding the tenant's generation,
+providers/local/renew.py), else starts the chain again: a fresh layer, a fresh daemon,
+a new token either way.
 
 The tmpfs goes over the state root because the sandbox's setup runs as the range's
 root, which the host's 0700 state and cache roots keep out: it sees this sandbox's
@@ -62,7 +64,7 @@ from typing import Dict, List, Optional
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
-from sandman_ray.providers.local import seccomp
+from sandman_ray.providers.local import renew, seccomp
 from sandman_ray.providers.local.cgroups import Cgroups, rlimits
 from sandman_ray.providers.mounts import detached_tmpfs, detached_tree, fstab_path
 from sandman_ray.providers.network import DNS, RESOLV_CONF, SandboxNetwork
@@ -194,7 +196,7 @@ def _filter_pipe() -> Optional[int]:
     return None if code is None else pipe_holding(code)  # a few hundred bytes
 
 
-class SandboxProcess:
+class SandboxProcess(renew.Renewable):
     """A sandbox's process chain and its state directory::
 
         state_dir/sock         the daemon's socket, bound by the agent (0600, root's)
@@ -231,6 +233,10 @@ class SandboxProcess:
         self.network: Optional[SandboxNetwork] = None
         self.applied: Dict[str, str] = {}
         self.started_at = 0.0
+        self.admin_token = ""  # the agent's own token for this start's daemon (renew)
+        self.slot = 0  # the slot (renew.SLOTS) of the generation the daemon runs in
+        self.layer: Optional[renew.Layer] = None  # the next generation, made ahead
+        self.renewed = 0  # renews since this start
 
     @property
     def address(self) -> str:
@@ -295,13 +301,25 @@ class SandboxProcess:
         return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
 
 
+    def _mounts_args(self, counter) -> List[str]:
+        """bwrap's mounts: the root, the bundle, /proc and /dev (and the OOM counter
+        on /dev)."""
+        bundle = str(self.state_dir / "bundle")
+        oom = [] if counter is None else ["--ro-bind", str(counter), OOM_COUNTER]
+        # bwrap leaves /proc/sys writable for a root without its own user namespace; in
+        # every mode it is the host's, read-only
+        common = ["--ro-bind", bundle, DEFAULT_MOUNT, "--proc", "/proc",
+                  "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"] + oom
+        if not self.renewable:
+            return self._root_args() + common
+        return renew.skeleton_args(common, str(self.state_dir / "root"), bundle, DEFAULT_MOUNT,
+                                   counter and str(counter), OOM_COUNTER)
+
     def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None,
-             token_fd: Optional[int] = None, listen_fd: Optional[int] = None) -> List[str]:
-        bwrap = ["bwrap"] + self._root_args() + [
-            "--ro-bind", str(self.state_dir / "bundle"), DEFAULT_MOUNT,
-            # bwrap leaves /proc/sys writable for a root without its own user
-            # namespace; in every mode it is the host's, read-only
-            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+             token_fd: Optional[int] = None, listen_fd: Optional[int] = None,
+             admin_fd: Optional[int] = None) -> List[str]:
+        counter = self.cgroups.oom_counter() if self.cgroups else None
+        bwrap = ["bwrap"] + self._mounts_args(counter) + [
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--hostname", self.hostname, "--die-with-parent", "--new-session",
             "--cap-drop", "ALL"]
@@ -319,17 +337,17 @@ class SandboxProcess:
             bwrap += ["--cap-add", "CAP_" + cap]
         if seccomp_fd is not None:
             bwrap += ["--seccomp", str(seccomp_fd)]
-        counter = self.cgroups.oom_counter() if self.cgroups else None
-        if counter is not None:  # read-only, on bwrap's /dev: the daemon reports OOM kills
-            bwrap += ["--ro-bind", str(counter), OOM_COUNTER]
         workdir = self._workdir()
         bwrap.append("--clearenv")
         for key, value in sorted(self._environment().items()):
             bwrap += ["--setenv", key, value]
-        bwrap += ["--chdir", workdir] + daemon_argv() + [
+        # a renewable sandbox's daemon starts in the skeleton and moves into its slot
+        bwrap += ["--chdir", "/" if self.renewable else workdir] + daemon_argv() + [
             "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
+        if self.renewable:
+            bwrap += ["--root", renew.SLOTS[0], "--admin-token-fd", str(admin_fd)]
         if counter is not None:
             bwrap += ["--oom-counter", OOM_COUNTER]
         if user:
@@ -379,16 +397,20 @@ class SandboxProcess:
         filter_r = _filter_pipe()
         filter_r = _high(filter_r) if filter_r is not None else None
         token_fd = _high(pipe_holding(self.token.encode()))
+        self.admin_token = secrets.token_hex(16)  # the agent's, for renew
+        admin_fd = _high(pipe_holding(self.admin_token.encode())) if self.renewable else None
+        self.slot = 0  # the first generation, bwrap's
         # The chain runs as host root until nsenter: nothing of the image's or the spec's
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
         env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
         net_w = self._network_pipe(env)
-        passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w) if fd is not None]
+        passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w, admin_fd)
+                  if fd is not None]
         lower = mounts.pop("lower", None)
         try:
             # the lower layer is the chain's stdin until the overlay is mounted
             self.proc = subprocess.Popen(
-                self.argv(ready_w, filter_r, token_fd, listen_fd), env=env,
+                self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd), env=env,
                 stdin=subprocess.DEVNULL if lower is None else lower,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 pass_fds=passed + list(mounts.values()), start_new_session=True)
@@ -422,13 +444,14 @@ class SandboxProcess:
             pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            old = os.umask(0o177)  # born 0600: only root connects
             where = os.open(self.state_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:  # through the directory's descriptor: a unix path holds 107 bytes
                 sock.bind("/proc/self/fd/%d/sock" % where)
+                # 0600 (only root connects) before it listens, when no one can connect
+                # yet; not by the umask, which every launcher thread shares
+                os.chmod("/proc/self/fd/%d/sock" % where, 0o600)
             finally:
                 os.close(where)
-                os.umask(old)
             sock.listen(1024)
             return sock.detach()
         except BaseException:
@@ -453,11 +476,12 @@ class SandboxProcess:
         base = self.ids.base if self.ids is not None else 0
         made: Dict[str, int] = {}
         try:
-            made["layer"] = layer = _high(detached_tmpfs(self.spec.disk or DEFAULT_DISK,
+            made["layer"] = layer = _high(detached_tmpfs(self.disk_bytes(),
                                                          base, base))
             rel = self.state_dir.relative_to(self.view_root)
             for depth in range(1, len(rel.parts) + 1):
                 os.mkdir(Path(*rel.parts[:depth]), 0o755, dir_fd=layer)
+                os.chmod(Path(*rel.parts[:depth]), 0o755, dir_fd=layer)
             for sub in ("upper", "work", "root", "bundle"):
                 mode = 0o1777 if sub == "upper" and self.image.rootfs is None else 0o755
                 os.mkdir(rel / sub, mode, dir_fd=layer)
@@ -633,8 +657,13 @@ class SandboxProcess:
             os.close(self.net_fd)
             self.net_fd = None
 
+    def disk_bytes(self) -> int:
+        """The size of the sandbox's writable layer."""
+        return self.spec.disk or DEFAULT_DISK
+
     def remove(self) -> None:
         """Everything the sandbox left on the host: state directory and cgroups."""
+        self.drop_layer()
         self.kill()
         if self.cgroups is not None:
             self.cgroups.remove()

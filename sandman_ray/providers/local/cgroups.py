@@ -121,6 +121,17 @@ class Cgroups:
         return [str(d / "cgroup.procs") for d in self.dirs
                 if tracking is None or (d in self.tracking) == tracking]
 
+    def members(self) -> List[int]:
+        """The pids in the sandbox's groups (each counted once)."""
+        pids = set()
+        for procs in self.procs_files():
+            try:
+                with open(procs) as fh:
+                    pids.update(int(line) for line in fh if line.strip())
+            except OSError:
+                continue
+        return sorted(pids)
+
     def kill_members(self) -> None:
         """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
         namespace with its init (the daemon, ``--as-pid-1``), and the daemon dies with

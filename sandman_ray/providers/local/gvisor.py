@@ -60,6 +60,8 @@ KILL_WAIT_S = 5.0  # for runsc run to end once its container is killed
 class GvisorProcess(SandboxProcess):
     """A sandbox whose daemon runs under ``runsc``."""
 
+    renewable = False  # a reset starts it afresh
+
     def check(self) -> None:
         if self.image.rootfs is None:
             raise ProviderError("image host: under gVisor a sandbox needs an image (its file "

@@ -1,0 +1,118 @@
+"""The escape suite (see test_escape.py) against a sandbox renewed in place: a reset
+that keeps the sandbox's namespaces and daemon (providers/local/renew.py) must leave
+the next tenant nothing of the last one, and nothing of the skeleton the generations
+live in may be changed or reveal another generation."""
+
+import time
+
+import pytest
+
+from conftest import Sandbox, run
+from escape_kit import provider  # noqa: F401 - a fixture: pytest finds it by name
+from sandman_ray import AuthError, DaemonClient, DaemonError
+from sandman_ray.spec import DEFAULT_IMAGE
+
+# Tenant A's leftovers, of every kind a renew must remove: files in the writable layer
+# (new ones and a changed file of the image), in /dev/shm, a SysV shared memory
+# segment, message queue and semaphore set, a POSIX message queue, and processes: one
+# in the background, one that left its process group and session, one that forks
+# without end.
+PLANT = r"""
+echo A > /tmp/a; echo A > /root/a; echo A >> /etc/hostname; echo A > /dev/shm/a
+ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null && ipcmk -S 1 >/dev/null
+python3 -c '
+import ctypes, os
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+rt.mq_open.restype = ctypes.c_int
+assert rt.mq_open(b"/tenant-a", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0, ctypes.get_errno()'
+"""
+# started as background processes (an exec's own end stops what it started)
+PROCESSES = ("sleep 1000", "setsid sh -c 'exec sleep 1000'",
+             "sh -c 'while :; do sleep 1000 & sleep 0.01; done'")
+LOOK = r"""
+echo files $(ls -A /tmp | grep -c .) $(ls -A /dev/shm | grep -c .) \
+    $(ls -A /root | grep -c '^a$') $(grep -c A /etc/hostname)
+echo ipc $(ipcs -m | grep -c '^0x') $(ipcs -q | grep -c '^0x') $(ipcs -s | grep -c '^0x')
+python3 -c '
+import ctypes, os
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+print("mq", rt.mq_open(b"/tenant-a", os.O_RDWR, 0, None) >= 0)'
+echo sleeping $(cat /proc/[0-9]*/comm 2>/dev/null | grep -c sleep)
+"""
+ESCAPE = r"""
+import os
+os.makedirs("/tmp/jail", exist_ok=True)
+outside = os.open("/", os.O_RDONLY)
+os.chroot("/tmp/jail")  # the classic way out: chroot below, then climb from the old root
+os.fchdir(outside)
+for _ in range(64):
+    os.chdir("..")
+os.chroot(".")
+gens = sorted(os.listdir("/.gens"))
+print("gens", gens, [sorted(os.listdir("/.gens/" + g)) != [] for g in gens])
+print("top", sorted(os.listdir("/")))
+try:
+    open("/planted", "w")
+    print("wrote the skeleton")
+except OSError as exc:
+    print("skeleton", exc.errno)
+"""
+
+
+def _renewed(sb):
+    """Reset ``sb`` through its provider; the new token's client. The daemon lives on
+    (a renew, not a new start): its uptime goes on."""
+    before = sb.client.info()["uptime_s"]
+    sb.info = run(sb.provider.reset(sb.id))
+    sb.client.close()
+    sb.client = DaemonClient(sb.info.address, sb.info.token, default_timeout=60)
+    assert sb.client.info()["uptime_s"] > before, "the sandbox was started afresh"
+    return sb.client
+
+
+def test_a_renewed_sandbox_keeps_nothing_of_the_last_tenant(provider):
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        old = sb.info.token
+        planted = sb.client.exec(["/bin/sh", "-c", PLANT])
+        assert planted.exit_code == 0, planted.stderr
+        for cmd in PROCESSES:
+            sb.client.spawn(["/bin/sh", "-c", cmd])
+        time.sleep(0.3)
+        seen = sb.client.exec(["/bin/sh", "-c", LOOK]).stdout.decode().splitlines()
+        assert seen[:3] == ["files 1 1 1 1", "ipc 1 1 1", "mq True"], seen
+        assert int(seen[3].split()[1]) >= 2, seen  # the lone sleep and the forker's
+        time.sleep(0.5)  # its next layer is made
+        client = _renewed(sb)
+        after = client.exec(["/bin/sh", "-c", LOOK]).stdout.decode().splitlines()
+        # (the image's /tmp and /dev/shm are empty, its hostname has no A)
+        assert after == ["files 0 0 0 0", "ipc 0 0 0", "mq False", "sleeping 0"], after
+        with pytest.raises((AuthError, ConnectionError, OSError)):
+            DaemonClient(sb.info.address, old).exec("true")
+
+
+def test_a_tenant_that_leaves_its_chroot_finds_only_a_read_only_skeleton(provider):
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        assert sb.client.exec("echo A > /tmp/secret-a").exit_code == 0
+        time.sleep(0.5)
+        client = _renewed(sb)
+        out = client.exec(["python3", "-c", ESCAPE])
+        text = out.stdout.decode()
+        assert out.exit_code == 0, out.stderr
+        # one slot holds this generation, the other nothing: the last tenant's is gone
+        assert "gens ['a', 'b'] [False, True]" in text or \
+            "gens ['a', 'b'] [True, False]" in text, text
+        assert "top ['.gens', '.sandman', 'dev', 'proc']" in text, text
+        assert "skeleton 30" in text, text  # EROFS
+        assert "secret-a" not in client.exec("ls -R /tmp").stdout.decode()
+
+
+def test_renew_is_the_launchers_op_and_its_token_is_nowhere_inside(provider):
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        with pytest.raises(DaemonError, match="AuthError"):
+            sb.client.renew("quiet")  # the lease's token may not
+        assert sb.client.exec("true").exit_code == 0  # and nothing was stopped
+        seen = sb.client.exec(["/bin/sh", "-c", "cat /proc/1/cmdline /proc/1/environ; "
+                               "ls -l /proc/1/fd 2>&1"]).stdout
+        assert b"admin-token-fd" in seen  # named as a descriptor, its value in no file
+        # the daemon is undumpable: its descriptors and memory are closed to the tenant
+        assert b"Permission denied" in seen or b"cannot access" in seen

@@ -213,6 +213,11 @@ class SandboxSpec:
                 self.network_allow, self.user)
 
 
+# A pool's pacing of creates, unless its config or its provider (``Provider.pacing``)
+# says otherwise: what a shared control plane (an API server, a container engine) takes.
+DEFAULT_PACING = {"create_rate_per_s": 50.0, "create_burst": 50, "max_starting": 64}
+
+
 @dataclass
 class PoolConfig:
     """How a pool behaves.
@@ -224,6 +229,9 @@ class PoolConfig:
         never asked for more); the rate is cut on throttled or transient provider
         errors and grows back on successes, never above ``create_rate_per_s``.
     max_starting: most sandboxes being created at once.
+        None for these three: the provider's ``pacing`` (50/s, 50, 64 for a provider
+        with a shared control plane: Kubernetes, a container engine; more for the
+        LocalProvider, whose creates go to the cluster's own nodes).
     ready_timeout_s: a sandbox whose daemon does not answer within this is replaced.
     lease_grace_s: a lease whose handle has not registered within this is reclaimed.
     sandbox_ttl_s: a lease is reclaimed this long after it began (None: never).
@@ -241,9 +249,9 @@ class PoolConfig:
     provider: object = None
     max_sandboxes: int = 256
     warm: Dict[object, int] = field(default_factory=dict)
-    create_rate_per_s: float = 50.0
-    create_burst: int = 50
-    max_starting: int = 64
+    create_rate_per_s: Optional[float] = None
+    create_burst: Optional[int] = None
+    max_starting: Optional[int] = None
     ready_timeout_s: float = 60.0
     lease_grace_s: float = 30.0
     sandbox_ttl_s: Optional[float] = None
@@ -264,6 +272,9 @@ class PoolConfig:
                     or (integer and not isinstance(value, int)):
                 raise ValueError("PoolConfig.%s must be a positive %s, got %r"
                                  % (name, "int" if integer else "number", value))
+        for name, value in getattr(self.provider, "pacing", DEFAULT_PACING).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         for name in ("max_sandboxes", "create_burst", "max_starting"):
             positive(name, integer=True)
         for name in ("create_rate_per_s", "ready_timeout_s", "lease_grace_s", "sweep_interval_s"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from sandman_ray.errors import ProviderError, SandmanError
-from sandman_ray.spec import SandboxSpec, check_pool_name
+from sandman_ray.spec import DEFAULT_PACING, SandboxSpec, check_pool_name
 
 # How long a daemon may take to answer the readiness check (connect, ping, ``true``).
 CHECK_TIMEOUT_S = 10.0
@@ -97,6 +97,9 @@ class Provider(abc.ABC):
 
     #: True when ``reset`` returns a sandbox to its initial state faster than a new one.
     supports_reset: bool = False
+    #: the pool's pacing of creates when its PoolConfig leaves it to the provider: what
+    #: the provider's control plane takes (an API server, a container engine)
+    pacing = DEFAULT_PACING
     #: the pool whose sandboxes these are (set by ``bind``)
     pool: str = "default"
 

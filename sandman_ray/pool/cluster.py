@@ -41,7 +41,7 @@ class Clock:
 class RayCluster:
     def __init__(self):
         self.host_thread: Optional[ThreadPoolExecutor] = None  # telling hosts
-        # host name -> its actor handle, looked up once (on the host thread only)
+        # host name -> its actor handle, looked up once (on the host thread)
         self.hosts: Dict[str, object] = {}
 
     async def live_hosts(self) -> set:
@@ -72,8 +72,17 @@ class RayCluster:
         self._to_host(host, "lease_ended", lease_id, reason)
 
     def _to_host(self, host: str, method: str, *args) -> None:
-        """A call to the host named ``host``, sent off the event loop (a name lookup is
-        a GCS call) and in order, without waiting for its answer."""
+        """A call to the host named ``host``, without waiting for its answer: sent at
+        once when its handle is known (an offer then reaches the host before the
+        lease's answer reaches the client), else from a thread that looks the name up
+        (a GCS call; never on the event loop)."""
+        actor = self.hosts.get(host)
+        if actor is not None:
+            try:
+                getattr(actor, method).remote(*args)
+                return
+            except Exception:  # noqa: BLE001 - gone: the thread looks it up again
+                self.hosts.pop(host, None)
         if self.host_thread is None:
             self.host_thread = ThreadPoolExecutor(1, thread_name_prefix="sandman-hosts")
         self.host_thread.submit(self._send, host, method, args)
@@ -93,7 +102,7 @@ class RayCluster:
 
     def forget_hosts(self, live: set) -> None:
         """Drop the handles of hosts that are no longer among the ``live`` ones."""
-        for name in [n for n in self.hosts if n not in live]:
+        for name in [n for n in list(self.hosts) if n not in live]:
             self.hosts.pop(name, None)
 
 

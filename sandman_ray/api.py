@@ -11,7 +11,7 @@ from typing import Dict, Optional, Union
 import ray
 
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
-from sandman_ray.handle import HandleHost, SandboxHandle
+from sandman_ray.handle import POOL_CALL_ATTEMPTS, HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.reconciler import reachable
@@ -176,11 +176,10 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
     for attempt in range(BIND_ATTEMPTS):
         node = _this_node()
         host, lease_id = _host(node), "L-" + uuid.uuid4().hex
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
         started = host.started_ref()
         host_died = False
         try:
-            lease = unpack_lease(ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30))
+            lease = _leased(actor, host, node, pool, spec, client, deadline, lease_id)
             if started is not None:
                 host_died = True  # an error from here on is the host's
                 ray.get(started, timeout=max(deadline - time.monotonic(), 0) + 30)
@@ -201,12 +200,11 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
     for attempt in range(BIND_ATTEMPTS):
         node = _this_node()
         host, lease_id = _host(node), "L-" + uuid.uuid4().hex
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
         started = host.started_ref()
         host_died = False
         try:
-            lease = unpack_lease(await asyncio.wait_for(asked,
-                                                        max(deadline - time.monotonic(), 0) + 30))
+            lease = await _leased_async(actor, host, node, pool, spec, client, deadline,
+                                        lease_id)
             if started is not None:
                 host_died = True
                 await asyncio.wait_for(started, max(deadline - time.monotonic(), 0) + 30)
@@ -227,6 +225,37 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
 
 def _this_node() -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def _leased(actor, host: _Host, node: str, pool: str, spec: SpecLike,
+            client: Optional[str], deadline: float, lease_id: str):
+    """The pool's lease of ``lease_id`` for ``host``, asked again (the same lease id: a
+    restarted pool serves it once) while Ray restarts the pool."""
+    for attempt in range(POOL_CALL_ATTEMPTS):
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        try:
+            return unpack_lease(ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30))
+        except ray.exceptions.ActorUnavailableError:
+            if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
+                raise
+            time.sleep(_restart_wait(attempt))
+
+
+async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike,
+                        client: Optional[str], deadline: float, lease_id: str):
+    for attempt in range(POOL_CALL_ATTEMPTS):
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        try:
+            return unpack_lease(await asyncio.wait_for(
+                asked, max(deadline - time.monotonic(), 0) + 30))
+        except ray.exceptions.ActorUnavailableError:
+            if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(_restart_wait(attempt))
+
+
+def _restart_wait(attempt: int) -> float:
+    return min(0.05 * 2 ** attempt, 1.0)
 
 
 def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
@@ -291,38 +320,60 @@ def _after_failure(host: _Host, node: str, pool: str, lease_id: str, exc: BaseEx
 
 def release(handle: SandboxHandle) -> None:
     """End the lease; the sandbox is reset for the next user (or deleted). The host
-    stops forwarding and the pool ends the lease, both at once. A handle whose host
-    died is released at the pool all the same."""
-    outcomes = []
-    for ref in _release_refs(handle):
+    stops forwarding and the pool ends the lease, both at once (asked again while Ray
+    restarts the pool). A handle whose host died is released at the pool all the
+    same."""
+    host_ref, ask_pool = _release_calls(handle)
+    pool_ref = ask_pool() if ask_pool else None
+    errors = []
+    for attempt in range(POOL_CALL_ATTEMPTS):
         try:
-            ray.get(ref)
-            outcomes.append(None)
+            ray.get(host_ref if not errors else pool_ref)
+            errors.append(None)
+        except ray.exceptions.ActorUnavailableError as exc:
+            if errors and attempt + 1 < POOL_CALL_ATTEMPTS:  # the pool restarts
+                time.sleep(_restart_wait(attempt))
+                pool_ref = ask_pool()
+                continue
+            errors.append(exc)
         except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
-            outcomes.append(exc)
-    _check_released(outcomes)
+            errors.append(exc)
+        if len(errors) == (2 if ask_pool else 1):
+            break
+    _check_released(errors)
 
 
 async def release_async(handle: SandboxHandle) -> None:
-    outcomes = []
-    for ref in _release_refs(handle):
+    host_ref, ask_pool = _release_calls(handle)
+    pool_ref = ask_pool() if ask_pool else None
+    errors = []
+    for attempt in range(POOL_CALL_ATTEMPTS):
         try:
-            await ref
-            outcomes.append(None)
+            await (host_ref if not errors else pool_ref)
+            errors.append(None)
+        except ray.exceptions.ActorUnavailableError as exc:
+            if errors and attempt + 1 < POOL_CALL_ATTEMPTS:
+                await asyncio.sleep(_restart_wait(attempt))
+                pool_ref = ask_pool()
+                continue
+            errors.append(exc)
         except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
-            outcomes.append(exc)
-    _check_released(outcomes)
+            errors.append(exc)
+        if len(errors) == (2 if ask_pool else 1):
+            break
+    _check_released(errors)
 
 
-def _release_refs(handle: SandboxHandle) -> list:
-    """The host's release and the pool's, sent together (a handle that does not name
-    its host leaves the pool's to the host)."""
+def _release_calls(handle: SandboxHandle) -> tuple:
+    """The host's release (an ObjectRef) and a function that asks the pool's, both
+    sent together (a handle that does not name its host leaves the pool's to the
+    host: None)."""
     handle._released()
     if handle._host_name is None:
-        return [handle._host.release.remote(handle.lease_id, handle.pool)]
-    return [handle._host.drop.remote(handle.lease_id),
-            get_pool(handle.pool).release.remote(
-                ("%s\0%s" % (handle.lease_id, handle._host_name)).encode())]
+        return handle._host.release.remote(handle.lease_id, handle.pool), None
+    pool, named = get_pool(handle.pool), ("%s\0%s" % (handle.lease_id,
+                                                       handle._host_name)).encode()
+    return handle._host.drop.remote(handle.lease_id), lambda: pool.release.remote(named)
 
 
 def _check_released(errors: list) -> None:

@@ -260,10 +260,12 @@ class _Operations:
         return self._call("shutdown", _present({"kill_grace_s": kill_grace_s}),
                                  timeout=self.default_timeout)
 
-    def renew(self, phase: str, root: Optional[str] = None, token: Optional[str] = None):
+    def renew(self, phase: str, root: Optional[str] = None, token: Optional[str] = None,
+              admin: Optional[str] = None):
         """The launcher's: ready the sandbox for its next lease (see the protocol doc);
         needs a connection made with the admin token."""
-        return self._call("renew", _present({"phase": phase, "root": root, "token": token}),
+        return self._call("renew", _present({"phase": phase, "root": root, "token": token,
+                                             "admin": admin}),
                           timeout=self.default_timeout)
 
 

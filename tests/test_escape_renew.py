@@ -116,3 +116,43 @@ def test_renew_is_the_launchers_op_and_its_token_is_nowhere_inside(provider):
         assert b"admin-token-fd" in seen  # named as a descriptor, its value in no file
         # the daemon is undumpable: its descriptors and memory are closed to the tenant
         assert b"Permission denied" in seen or b"cannot access" in seen
+
+
+def _started_afresh(sb):
+    """Reset ``sb``; the new token's client, asserting the daemon started again (its
+    uptime began anew): what a renew that finds the sandbox changed falls back to."""
+    time.sleep(1.5)  # an uptime that a new daemon's cannot reach
+    before = sb.client.info()["uptime_s"]
+    sb.info = run(sb.provider.reset(sb.id))
+    sb.client.close()
+    sb.client = DaemonClient(sb.info.address, sb.info.token, default_timeout=60)
+    assert sb.client.info()["uptime_s"] < before, "the sandbox was renewed as it was"
+    return sb.client
+
+
+def test_what_a_tenant_sets_on_the_daemon_is_not_carried_to_the_next(provider):
+    """Root inside may lower PID 1's limits or priority (its uid matches), and the
+    daemon's later children would inherit them: such a sandbox is started afresh."""
+    look = ["/bin/sh", "-c", "ulimit -n; nice"]
+    for attack in ("prlimit --pid 1 --nofile=64:64", "renice -n 19 -p 1"):
+        with Sandbox(provider, DEFAULT_IMAGE) as sb:
+            first = sb.client.exec(look).stdout.split()
+            done = sb.client.exec(["/bin/sh", "-c", attack])
+            assert done.exit_code == 0, done.stderr
+            assert sb.client.exec(look).stdout.split() != first  # it took
+            client = _started_afresh(sb)
+            assert client.exec(look).stdout.split() == first
+
+
+def test_archives_look_up_no_owner_names_in_the_tenants_files(provider):
+    """A user or group lookup in the daemon would load the NSS modules the sandbox's
+    own /etc/nsswitch.conf names, from its own files, into the process that outlives
+    its tenants: archives carry numeric owners only."""
+    import io
+    import tarfile
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        assert sb.client.exec(["/bin/sh", "-c", "mkdir -p /tmp/t && echo x > /tmp/t/f && "
+                                               "chown 1:1 /tmp/t/f"]).exit_code == 0
+        with tarfile.open(fileobj=io.BytesIO(sb.client.get_archive("/tmp/t"))) as tar:
+            owners = {(m.uname, m.gname, m.uid) for m in tar.getmembers()}
+        assert ("", "", 1) in owners and all(not u and not g for u, g, _ in owners), owners

@@ -50,6 +50,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
         self.token = token  # the lease's; None while a renew runs
         self.admin_token = None  # the launcher's, for renew (None: no renew)
         self.skeleton = None  # the root the daemon started in, when it runs in --root
+        self.settings = own_settings()  # what a renew checks no tenant changed
         self.hello_timeout_s = hello_timeout_s
         self.workdir = workdir
         self.default_cap = default_cap
@@ -317,20 +318,35 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
             left = await self._kill_the_rest()
             self.sessions.clear()
             self.procs.clear()
-            return {"left": left}
+            self.next_upload = 1
+            # an op's thread of the last lease still at work would go on in the next
+            # tenant's root; what a tenant may set on this process would stay with it
+            busy = await self._threads_done()
+            changed = [name for name, value in own_settings().items()
+                       if value != self.settings.get(name)]
+            return {"left": left + busy + len(changed), "threads": busy, "changed": changed}
         if phase == "enter":
-            root, token = req.get("root"), req.get("token")
-            if not root or not token:
-                raise bad_request("renew enter needs root and token")
+            root, token, admin = req.get("root"), req.get("token"), req.get("admin")
+            if not root or not token or not admin:
+                raise bad_request("renew enter needs root, token and admin")
             os.fchdir(self.skeleton)
             os.chroot("./" + root.lstrip("/"))  # from the skeleton, not from the root
             try:
                 os.chdir(self.workdir)
             except OSError:
                 os.chdir("/")
-            self.token = token
+            self.token, self.admin_token = token, admin
             return None
         raise bad_request("renew: phase must be quiet or enter, got %r" % phase)
+
+    async def _threads_done(self):
+        """Wait (up to KILL_SETTLE_S) until no op runs on a thread of its own; how many
+        still do."""
+        import threading
+        deadline = time.monotonic() + KILL_SETTLE_S
+        while threading.active_count() > 1 and time.monotonic() < deadline:
+            await self._tick()
+        return threading.active_count() - 1
 
     async def _kill_the_rest(self):
         """SIGKILL every process of the sandbox but the daemon (and PID 1), until none
@@ -360,6 +376,21 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
             return False
         after = oom_kills(self.oom_counter)
         return after is not None and after > before
+
+
+def own_settings():
+    """What a process of the sandbox with the daemon's uid may change of the daemon
+    (``prlimit``, ``setpriority``, ``sched_setscheduler`` on PID 1) and its children
+    would inherit."""
+    import resource
+    out = {"nice": os.getpriority(os.PRIO_PROCESS, 0), "policy": os.sched_getscheduler(0)}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            try:
+                out[name] = resource.getrlimit(getattr(resource, name))
+            except (ValueError, OSError):
+                continue
+    return out
 
 
 def sandbox_pids():

@@ -236,8 +236,18 @@ class _EventWriter:
         self.reply.conn.writable.wait().add_done_callback(lambda _f: queued.set())
 
 
-def _tar_directory(path, writer):
+def _tarfile():
+    """tarfile without user and group name lookups: those would load the NSS modules
+    that the sandbox's own /etc/nsswitch.conf names, from the sandbox's own files, into
+    the daemon, which outlives its tenants (providers/local/renew.py). Archives carry
+    numeric owners only."""
     import tarfile
+    tarfile.pwd = tarfile.grp = None
+    return tarfile
+
+
+def _tar_directory(path, writer):
+    tarfile = _tarfile()
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         # a directory's contents sit under "."; a single file keeps its name
         tar.add(path, arcname="." if os.path.isdir(path) else os.path.basename(path))
@@ -258,7 +268,7 @@ def _spool_file():
 def _untar(fileobj, dest):
     """Extract a tar stream under ``dest``; members may not escape it (absolute paths,
     ``..``, links pointing outside, device files are refused)."""
-    import tarfile
+    tarfile = _tarfile()
     os.makedirs(dest, exist_ok=True)
     count = 0
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:

@@ -399,7 +399,7 @@ class SandboxProcess(renew.Renewable):
         token_fd = _high(pipe_holding(self.token.encode()))
         self.admin_token = secrets.token_hex(16)  # the agent's, for renew
         admin_fd = _high(pipe_holding(self.admin_token.encode())) if self.renewable else None
-        self.slot = 0  # the first generation, bwrap's
+        self.slot, self.renewed = 0, 0  # the first generation, bwrap's
         # The chain runs as host root until nsenter: nothing of the image's or the spec's
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
         env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)

@@ -99,13 +99,11 @@ class Renewable:
 
     def daemon_pid(self) -> int:
         """The host pid of the daemon, bwrap's one child (PID 1 of the sandbox)."""
-        pid = self.proc.pid
-        with open("/proc/%d/task/%d/children" % (pid, pid)) as fh:
-            children = fh.read().split()
-        if len(children) != 1:
+        found = children(self.proc.pid)
+        if len(found) != 1:
             raise SandboxLost("sandbox %s: bwrap has %d children" % (self.sandbox_id,
-                                                                     len(children)))
-        return int(children[0])
+                                                                     len(found)))
+        return found[0]
 
     async def renew(self, thread: "NamespaceThread", timeout: float) -> None:
         """Ready the sandbox for its next lease in place: the daemon stops everything
@@ -119,10 +117,9 @@ class Renewable:
                                                  connect_timeout=timeout,
                                                  default_timeout=timeout)
         try:
-            left = (await client.renew("quiet"))["left"]
-            if left:
-                raise SandboxLost("sandbox %s: %d processes outlived the renew"
-                                  % (self.sandbox_id, left))
+            quiet = await client.renew("quiet")
+            if quiet["left"]:
+                raise SandboxLost("sandbox %s: not renewed: %s" % (self.sandbox_id, quiet))
             if self.cgroups is not None and len(self.cgroups.members()) > 2:
                 raise SandboxLost("sandbox %s: its cgroup holds more than bwrap and the "
                                   "daemon" % self.sandbox_id)
@@ -130,13 +127,13 @@ class Renewable:
             new = 1 - self.slot
             try:
                 await asyncio.wrap_future(thread.run(
-                    swap, thread, self.daemon_pid(),
-                    self.proc.pid if self.renewed == 0 else None, str(self.view_root),
-                    SLOTS[self.slot], SLOTS[new], layer))
+                    swap, thread, self.proc, self.daemon_pid(), self.renewed == 0,
+                    str(self.view_root), SLOTS[self.slot], SLOTS[new], layer))
             finally:
                 layer.close()
-            token = secrets.token_hex(16)
-            await client.renew("enter", root=SLOTS[new], token=token)
+            token, admin = secrets.token_hex(16), secrets.token_hex(16)
+            await client.renew("enter", root=SLOTS[new], token=token, admin=admin)
+            self.admin_token = admin
             # what READY means (base.check_answers), on this connection: it answers,
             # and runs a command in its new generation
             result = await client.exec("true")
@@ -219,33 +216,44 @@ class NamespaceThread:
                         os.open("/proc/thread-self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC))
         return fn(*args)
 
-    def enter(self, pid: int) -> None:
-        """Into the mount and IPC namespaces of process ``pid`` (on the thread)."""
-        for kind, flag in (("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS)):
-            fd = os.open("/proc/%d/ns/%s" % (pid, kind), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _check(_libc.setns(fd, flag))
-            finally:
-                os.close(fd)
+    def enter(self, pid: int, still_ours) -> None:
+        """Into the mount and IPC namespaces of process ``pid`` (on the thread), through
+        a pidfd; ``still_ours()``, asked once it is open, says the pid is still the
+        process meant (a pid reused meanwhile is never entered)."""
+        fd = os.pidfd_open(pid)
+        try:
+            if not still_ours():
+                raise SandboxLost("process %d is gone" % pid)
+            _check(_libc.setns(fd, CLONE_NEWIPC | CLONE_NEWNS))
+        finally:
+            os.close(fd)
 
     def leave(self) -> None:
         _check(_libc.setns(self.own[0], CLONE_NEWNS))
         _check(_libc.setns(self.own[1], CLONE_NEWIPC))
 
 
-def swap(thread: NamespaceThread, daemon_pid: int, launch_pid: Optional[int],
-         view_root: str, old: str, new: str, layer: Layer) -> None:
+def children(pid: int) -> List[int]:
+    """The children of the single-threaded process ``pid``."""
+    with open("/proc/%d/task/%d/children" % (pid, pid)) as fh:
+        return [int(child) for child in fh.read().split()]
+
+
+def swap(thread: NamespaceThread, bwrap, daemon_pid: int, first: bool, view_root: str,
+         old: str, new: str, layer: Layer) -> None:
     """Steps 3 of the module's doc, on ``thread``: IPC objects removed, the generation
-    in slot ``old`` detached, ``layer`` attached in slot ``new``. ``launch_pid``: a
-    process of the launch's namespace, whose mounts at ``view_root`` are detached
-    (the first renew), or None."""
-    if launch_pid is not None:
-        thread.enter(launch_pid)
+    in slot ``old`` detached, ``layer`` attached in slot ``new``. ``bwrap``: the
+    sandbox's bwrap (a Popen: unreaped, its pid cannot be reused), whose one child is
+    ``daemon_pid``. ``first`` (the first renew since the sandbox started): the mounts
+    at ``view_root`` of the launch's namespace (bwrap's), which hold the first
+    generation, are detached too."""
+    if first:
+        thread.enter(bwrap.pid, lambda: bwrap.poll() is None)
         try:
             mounts.detach(view_root)
         finally:
             thread.leave()
-    thread.enter(daemon_pid)
+    thread.enter(daemon_pid, lambda: children(bwrap.pid) == [daemon_pid])
     try:
         remove_ipc_objects()
         mounts.detach(old)
@@ -267,11 +275,8 @@ def remove_ipc_objects() -> None:
     for table, remove in (("shm", lambda i: _libc.shmctl(i, _IPC_RMID, None)),
                           ("msg", lambda i: _libc.msgctl(i, _IPC_RMID, None)),
                           ("sem", lambda i: _libc.semctl(i, 0, _IPC_RMID))):
-        try:
-            with open("/proc/sysvipc/" + table) as fh:  # this namespace's, as its own sees
-                ids = [int(line.split()[1]) for line in fh.readlines()[1:] if line.strip()]
-        except OSError:
-            continue
+        with open("/proc/sysvipc/" + table) as fh:  # this namespace's, as its own sees
+            ids = [int(line.split()[1]) for line in fh.readlines()[1:] if line.strip()]
         for ipc_id in ids:
             _check(remove(ipc_id))
     mount = mounts.detached_fs("mqueue")  # the instance of this IPC namespace

@@ -255,7 +255,7 @@ async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike
 
 
 def _restart_wait(attempt: int) -> float:
-    return min(0.05 * 2 ** attempt, 1.0)
+    return float(min(0.05 * 2 ** attempt, 1.0))
 
 
 def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
@@ -323,44 +323,59 @@ def release(handle: SandboxHandle) -> None:
     stops forwarding and the pool ends the lease, both at once (asked again while Ray
     restarts the pool). A handle whose host died is released at the pool all the
     same."""
-    host_ref, ask_pool = _release_calls(handle)
-    pool_ref = ask_pool() if ask_pool else None
-    errors = []
-    for attempt in range(POOL_CALL_ATTEMPTS):
-        try:
-            ray.get(host_ref if not errors else pool_ref)
-            errors.append(None)
-        except ray.exceptions.ActorUnavailableError as exc:
-            if errors and attempt + 1 < POOL_CALL_ATTEMPTS:  # the pool restarts
-                time.sleep(_restart_wait(attempt))
-                pool_ref = ask_pool()
+    steps = _releasing(handle)
+    step = next(steps)
+    try:
+        while True:
+            if isinstance(step, float):  # the pool restarts: wait, then ask again
+                time.sleep(step)
+                step = steps.send(None)
                 continue
-            errors.append(exc)
-        except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
-            errors.append(exc)
-        if len(errors) == (2 if ask_pool else 1):
-            break
-    _check_released(errors)
+            try:
+                ray.get(step)
+                outcome = None
+            except BaseException as exc:  # noqa: BLE001 - sorted out by _releasing
+                outcome = exc
+            step = steps.send(outcome)
+    except StopIteration:
+        pass
 
 
 async def release_async(handle: SandboxHandle) -> None:
+    steps = _releasing(handle)
+    step = next(steps)
+    try:
+        while True:
+            if isinstance(step, float):
+                await asyncio.sleep(step)
+                step = steps.send(None)
+                continue
+            try:
+                await step
+                outcome = None
+            except BaseException as exc:  # noqa: BLE001 - sorted out by _releasing
+                outcome = exc
+            step = steps.send(outcome)
+    except StopIteration:
+        pass
+
+
+def _releasing(handle: SandboxHandle):
+    """A release's steps, for ``release`` and ``release_async`` to carry out: it yields
+    an ObjectRef to wait for (and is sent its error, or None) or a float, seconds to
+    wait before it asks the restarting pool again; it raises what the release must."""
     host_ref, ask_pool = _release_calls(handle)
     pool_ref = ask_pool() if ask_pool else None
-    errors = []
-    for attempt in range(POOL_CALL_ATTEMPTS):
-        try:
-            await (host_ref if not errors else pool_ref)
-            errors.append(None)
-        except ray.exceptions.ActorUnavailableError as exc:
-            if errors and attempt + 1 < POOL_CALL_ATTEMPTS:
-                await asyncio.sleep(_restart_wait(attempt))
-                pool_ref = ask_pool()
-                continue
-            errors.append(exc)
-        except BaseException as exc:  # noqa: BLE001 - sorted out by _check_released
-            errors.append(exc)
-        if len(errors) == (2 if ask_pool else 1):
-            break
+    errors = [(yield host_ref)]
+    for attempt in range(POOL_CALL_ATTEMPTS if ask_pool else 0):
+        exc = yield pool_ref
+        if isinstance(exc, ray.exceptions.ActorUnavailableError) \
+                and attempt + 1 < POOL_CALL_ATTEMPTS:
+            yield _restart_wait(attempt)
+            pool_ref = ask_pool()
+            continue
+        errors.append(exc)
+        break
     _check_released(errors)
 
 

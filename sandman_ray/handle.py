@@ -43,7 +43,6 @@ from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
-from sandman_ray.pool.reconciler import reachable
 from sandman_ray.pool.states import EndedLeases
 
 # The daemon operations a handle forwards: the public ops of the daemon's op table, each

@@ -16,9 +16,9 @@ import ray
 from sandman_ray.pool.cluster import NAMESPACE, Clock, RayCluster, pool_actor_name
 from sandman_ray.pool.metrics import PoolMetrics
 from sandman_ray.pool.reconciler import Reconciler
-from sandman_ray.pool.states import Lease, pack_lease, unpack_lease_request
+from sandman_ray.pool.states import pack_lease, unpack_lease_request
 from sandman_ray.providers.base import Provider
-from sandman_ray.spec import PoolConfig, SandboxSpec
+from sandman_ray.spec import PoolConfig
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from typing import Dict, Optional, Union
 
 import ray
 
+from sandman_ray.direct import Direct
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import POOL_CALL_ATTEMPTS, HandleHost, SandboxHandle
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
@@ -270,8 +271,11 @@ def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optio
 
 
 def _handle(lease, host: _Host) -> SandboxHandle:
+    """The handle of a lease ``host`` holds; its direct calls connect from this process
+    when it reaches the daemon (sandman_ray.direct)."""
+    direct = Direct(lease, host.name) if reachable(lease, _this_node()) else None
     return SandboxHandle(host.actor, lease.lease_id, lease.sandbox_id, lease.node_id,
-                         lease.pool, host_name=host.name)
+                         lease.pool, host_name=host.name, direct=direct)
 
 
 def _handle_for(lease, host: _Host, node: str, attempt: int, deadline: float):

@@ -40,6 +40,9 @@ import ray
 
 from sandman_ray.client import DaemonClient
 from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
+# daemon connections a lease keeps open for its next calls, and how often a busy lease
+# tells the pool it is in use: the same for a host as for direct calls
+from sandman_ray.direct import IDLE_CONNECTIONS, TOUCH_EVERY_S, Direct
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
@@ -50,7 +53,6 @@ from sandman_ray.pool.states import EndedLeases
 FORWARDED = tuple(op.name for op in OPS if op.public)
 # What a handle answers about itself, through its host.
 DESCRIBED = ("sandbox_id", "node_id")
-TOUCH_EVERY_S = 2.0  # how often a busy lease tells the pool it is in use
 HOST_RESTARTS = 3
 POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
 # A host is a threaded actor: each call is a blocking daemon request on a thread of its
@@ -65,7 +67,6 @@ CONTROL_THREADS = 64
 # A call that arrives before the pool's offer of its lease (``take``; both are sent at
 # once) waits this long for it.
 TAKE_WAIT_S = 10.0
-IDLE_CONNECTIONS = 2  # daemon connections a lease keeps open for its next calls
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
 
 
@@ -468,12 +469,22 @@ HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries
 
 
 class _Method:
-    """``handle.<op>``: ``.remote(...)`` gives the call's ObjectRef, as on an actor."""
+    """``handle.<op>``: ``.remote(...)`` gives the call's ObjectRef, as on an actor;
+    calling it runs the operation directly and returns its result (sandman_ray.direct)
+    or, for a handle without a direct path, through the host and waits."""
 
     __slots__ = ("handle", "op")
 
     def __init__(self, handle: "SandboxHandle", op: str):
         self.handle, self.op = handle, op
+
+    def __call__(self, *args, **kwargs):
+        handle = self.handle
+        if self.op in DESCRIBED:
+            return getattr(handle, _LOCAL[self.op])
+        if handle._direct is not None:
+            return handle._direct.call(self.op, args, kwargs)
+        return ray.get(self.remote(*args, **kwargs))
 
     def remote(self, *args, **kwargs):
         handle = self.handle
@@ -494,6 +505,28 @@ class _Method:
         return method.remote(packed)
 
 
+class _AsyncMethod:
+    """``handle.<op>_async``: ``await handle.exec_async("ls")``, the asyncio form of a
+    direct call."""
+
+    __slots__ = ("handle", "op")
+
+    def __init__(self, handle: "SandboxHandle", op: str):
+        self.handle, self.op = handle, op
+
+    async def __call__(self, *args, **kwargs):
+        handle = self.handle
+        if self.op in DESCRIBED:
+            return getattr(handle, _LOCAL[self.op])
+        if handle._direct is not None:
+            return await handle._direct.call_async(self.op, args, kwargs)
+        return await _Method(handle, self.op).remote(*args, **kwargs)
+
+
+# what a described operation answers, from the handle itself
+_LOCAL = {"sandbox_id": "sandbox", "node_id": "node"}
+
+
 class _Sent:
     """How many calls a handle has sent (its finalizer reads it)."""
 
@@ -505,26 +538,32 @@ class _Sent:
 
 
 class SandboxHandle:
-    """One leased sandbox, used like an actor handle: ``ray.get(sb.exec.remote("ls"))``.
-    Its operations are those of ``sandman_ray.client.DaemonClient`` plus ``sandbox_id``
+    """One leased sandbox, used like an actor handle: ``ray.get(sb.exec.remote("ls"))``,
+    or called directly: ``sb.exec("ls")``, ``await sb.exec_async("ls")``. Its
+    operations are those of ``sandman_ray.client.DaemonClient`` plus ``sandbox_id``
     and ``node_id``. Give it back with ``sandman_ray.release``."""
 
     def __init__(self, host, lease_id: str, sandbox_id: str, node_id: Optional[str],
-                 pool: str, owned: bool = True, host_name: Optional[str] = None):
+                 pool: str, owned: bool = True, host_name: Optional[str] = None,
+                 direct: Optional[Direct] = None):
         self._host, self.lease_id, self.pool = host, lease_id, pool
         self._host_name = host_name  # the holder the pool knows (release names it)
         self.sandbox, self.node = sandbox_id, node_id
         self._sent = _Sent()
+        self._direct = direct  # this process's own connections (not passed on)
         # the lease is released when this object is collected, unless it was passed on
         self._finalizer = None
         if owned:
             self._finalizer = weakref.finalize(self, _release_quietly, host, lease_id, pool,
-                                               self._sent)
+                                               self._sent, direct)
             self._finalizer.atexit = False  # at exit the host dies with this process
 
     def __getattr__(self, op: str):
         if op in FORWARDED or op in DESCRIBED:
             return _Method(self, op)
+        base = op[:-len("_async")] if op.endswith("_async") else None
+        if base in FORWARDED or base in DESCRIBED:
+            return _AsyncMethod(self, base)
         raise AttributeError("SandboxHandle has no operation %r" % op)
 
     def __reduce__(self):
@@ -537,14 +576,19 @@ class SandboxHandle:
     def _released(self) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._direct is not None:
+            self._direct.close("released by its holder")
 
     def __repr__(self) -> str:
         return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
 
 
-def _release_quietly(host, lease_id: str, pool: str, sent: _Sent) -> None:
+def _release_quietly(host, lease_id: str, pool: str, sent: _Sent,
+                     direct: Optional[Direct] = None) -> None:
     """A handle was dropped without ``release``: give its lease back once the calls it
     sent are answered, without waiting here (this runs in the garbage collector)."""
+    if direct is not None:
+        direct.close("its handle was dropped")
     try:
         if ray.is_initialized():
             host.release.remote(lease_id, pool, sent.count)

@@ -32,6 +32,7 @@ def next_tenant_is_safe_from(old, image, pool, error=None):
     """Lend the pool's one sandbox to a new tenant, which writes a secret; the ended
     handle ``old`` can neither read it nor write beside it (each call raises
     ``error``, LeaseEnded by default)."""
+    import asyncio
     import ray
     import sandman_ray as sandman
     error = error or sandman.LeaseEnded
@@ -42,6 +43,14 @@ def next_tenant_is_safe_from(old, image, pool, error=None):
                      lambda: old.read_file.remote("/tmp/secret")):
             with pytest.raises(error):
                 ray.get(call())
+        # and directly, from this process, blocking and with asyncio (a handle that
+        # was passed on makes these through its host)
+        for call in (lambda: old.exec("cat /tmp/secret"),
+                     lambda: old.write_file("/tmp/from-a", b"A was here"),
+                     lambda: old.read_file("/tmp/secret"),
+                     lambda: asyncio.run(old.exec_async("cat /tmp/secret"))):
+            with pytest.raises(error):
+                call()
         assert ray.get(new.exec.remote("ls /tmp")).stdout == b"secret\n"
         assert ray.get(new.read_file.remote("/tmp/secret")) == b"tenant B"
 
@@ -60,10 +69,14 @@ def test_a_released_lease_cannot_reach_the_next_tenant(request, provider, busybo
         sb = sandman.acquire(image, pool=pool)
         copy = kept_copy(sb)
         ray.get(copy.exec.remote("true"))
+        assert sb.exec("true").exit_code == 0  # a direct connection, kept open
         sandman.release(sb)
         with pytest.raises(sandman.LeaseEnded, match="released"):
             ray.get(copy.exec.remote("true"))
+        with pytest.raises(sandman.LeaseEnded, match="released"):
+            sb.exec("true")
         next_tenant_is_safe_from(copy, image, pool)
+        next_tenant_is_safe_from(sb, image, pool)
     finally:
         sandman.shutdown_pool(pool)
 
@@ -80,6 +93,7 @@ def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider,
     try:
         sb = sandman.acquire(spec, pool=pool)
         ray.get(sb.exec.remote("true"))
+        assert sb.exec("true").exit_code == 0  # a direct connection, kept open
         leased = lambda: ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
         wait_until(lambda: leased() == 0, timeout=30, what="the pool to end the lease")
 
@@ -91,6 +105,15 @@ def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider,
                 assert ("TTL" if "ttl_s" in limit else "idle") in str(exc)
                 return True
         wait_until(refused, timeout=10, what="the handle to learn that its lease ended")
+
+        def refused_directly() -> bool:  # once the sandbox is reset for the next tenant
+            try:
+                sb.exec("true")  # before it, the sandbox is still unlent
+                return False
+            except sandman.LeaseEnded as exc:
+                assert ("TTL" if "ttl_s" in limit else "idle") in str(exc)
+                return True
+        wait_until(refused_directly, timeout=30, what="direct calls to be refused")
         next_tenant_is_safe_from(sb, spec.image, pool)  # a tenant whose lease lasts
     finally:
         sandman.shutdown_pool(pool)

@@ -98,6 +98,77 @@ def test_handle_calls_take_any_arguments_an_actor_call_takes(pool, image):
         assert ray.get(sb.exec.remote("echo still")).stdout == b"still\n"
 
 
+def test_direct_calls_answer_as_remote_calls_do(pool, image):
+    """``sb.exec(...)`` and ``await sb.exec_async(...)`` run in the caller's process on
+    connections of its own, with the same arguments, results and errors as
+    ``.remote()``; a session's state is shared by both paths."""
+    import asyncio
+    with sandman.sandbox(image, pool=pool) as sb:
+        assert sb._direct is not None  # the sandbox is on this node: a unix socket
+        r = sb.exec(("sh", "-c", "echo $V; cat"), env={"V": "kw"}, stdin=b"in", timeout=30)
+        assert (r.exit_code, r.stdout) == (0, b"kw\nin")
+        via_host = ray.get(sb.exec.remote(("sh", "-c", "echo $V; cat"), env={"V": "kw"},
+                                          stdin=b"in", timeout=30))
+        assert type(via_host) is type(r) and \
+            via_host._replace(duration_s=0) == r._replace(duration_s=0)
+        sb.run("cd /tmp && export A=direct")
+        assert ray.get(sb.run.remote("echo $A $(pwd)")).stdout == b"direct /tmp\n"
+        ray.get(sb.write_file.remote("/work/both", b"via the host"))
+        assert sb.read_file("/work/both") == b"via the host"
+        assert (sb.sandbox_id(), sb.node_id()) == (ray.get(sb.sandbox_id.remote()),
+                                                   ray.get(sb.node_id.remote()))
+        with pytest.raises(TypeError):
+            sb.exec("true", no_such_option=1)
+        with pytest.raises(sandman.DaemonError):
+            sb.read_file("/no/such/file")
+        assert ray.get(sb.exec.remote("echo still")).stdout == b"still\n"
+
+        async def side_by_side():
+            return await asyncio.gather(*[sb.exec_async("sleep 0.2; echo %d" % i)
+                                          for i in range(4)])
+        began = time.monotonic()
+        assert [x.stdout for x in asyncio.run(side_by_side())] == [b"%d\n" % i for i in range(4)]
+        assert time.monotonic() - began < 0.8  # one multiplexed connection, not in turn
+        assert asyncio.run(sb.sandbox_id_async()) == sb.sandbox
+        spawned = sb.spawn("sleep 100")
+        assert ray.get(sb.proc_status.remote(spawned)).running  # one sandbox, both ways
+
+
+def test_a_passed_handle_calls_through_its_host(pool, image):
+    """The direct path stays with the process that acquired the lease (its token is
+    not pickled): a handle given to another process makes the same calls, directly
+    written, through its host."""
+    with sandman.sandbox(image, pool=pool) as sb:
+        passed_on = pickle.loads(pickle.dumps(sb))
+        assert passed_on._direct is None
+        assert sb._direct.token.encode() not in pickle.dumps(sb)
+        assert passed_on.exec("echo relayed").stdout == b"relayed\n"
+
+        @ray.remote(num_cpus=0)
+        def elsewhere(handle):
+            return handle.exec("echo from a task").stdout, handle._direct is None
+        assert ray.get(elsewhere.remote(sb)) == (b"from a task\n", True)
+
+
+def test_direct_calls_keep_their_lease_in_use(cluster, image):
+    """A lease used only by direct calls tells the pool so: idleness does not reclaim
+    it while they go on, and does once they stop."""
+    pool = make_pool(warm={image: 1})
+    try:
+        sb = sandman.acquire(sandman.SandboxSpec(image=image, idle_timeout_s=10.0), pool=pool)
+        until = time.monotonic() + 13.0
+        while time.monotonic() < until:  # longer than the idle timeout
+            assert sb.exec("true").exit_code == 0
+            time.sleep(0.5)
+        assert states(pool)["leased"] == 1
+        wait_until(lambda: states(pool)["leased"] == 0, timeout=20,
+                   what="the idle lease to be reclaimed")
+        with pytest.raises(sandman.LeaseEnded, match="idle"):
+            sb.exec("true")
+    finally:
+        sandman.shutdown_pool(pool)
+
+
 def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image):
     pool = make_pool(warm={image: 1})
     try:

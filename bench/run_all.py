@@ -27,9 +27,10 @@ On a local Ray with the LocalProvider:
          (A pooled client calls ``sandman_ray.prepare`` as it starts, before the clock
          starts, as the unpooled one binds its provider.)
   cycle  one client on a warm pool, one lease cycle after another: acquire, a first
-         ``exec true``, release, and the whole cycle, p50 and p99, also in bare actor
-         calls (timed back to back, in rounds between the rounds of cycles), and the
-         PoolActor's CPU per cycle.
+         ``exec true`` (a direct call; every other cycle through the host instead),
+         release, and the whole cycle, p50 and p99, also in bare actor calls (timed back
+         to back, in rounds between the rounds of cycles), and the PoolActor's CPU per
+         cycle.
   reuse  E episodes on K sandboxes (K at a time; an episode runs one command):
          release and acquire again (a reset) versus a new sandbox per episode.
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
@@ -490,18 +491,23 @@ def reuse(episodes: int, k: int, image: str) -> dict:
 
 # ---------------------------------------------------------------------- cycle
 CYCLE_STEPS = ("acquire", "first exec", "release", "whole cycle")
+# the same cycles with the first exec through the handle host (``.remote()``), taking
+# turns with those above
+REMOTE_STEPS = ("first exec, .remote()", "whole cycle, .remote()")
 
 
 def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
-    """One client on a warm pool: acquire, a first ``exec true``, release, one cycle
-    after another, each step timed. Bare actor calls are timed back to back in rounds
-    between the rounds of cycles (as the noop section times them), so each step is also
-    given in bare calls of the same run."""
+    """One client on a warm pool: acquire, a first ``exec true`` (a direct call),
+    release, one cycle after another, each step timed; every other cycle makes its
+    first call through the host instead (REMOTE_STEPS). Bare actor calls are timed back
+    to back in rounds between the rounds of cycles (as the noop section times them), so
+    each step is also given in bare calls of the same run."""
     pool = "bench-cycle-" + uuid.uuid4().hex[:6]
     sandman.create_pool(pool, provider=provider(), warm={image: warm})
     wait_for(lambda: states(pool)["ready"] >= warm, "%d warm sandboxes" % warm)
     bare = Bare.remote()
-    times: Dict[str, List[float]] = {name: [] for name in CYCLE_STEPS + ("bare call",)}
+    times: Dict[str, List[float]] = {name: [] for name in
+                                     CYCLE_STEPS + REMOTE_STEPS + ("bare call",)}
     pid = ray.get(sandman.get_pool(pool).status.remote())["pid"]
     try:
         sandman.release(sandman.acquire(image, pool=pool, timeout=120))  # the host starts
@@ -510,22 +516,30 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
         for _ in range(rounds):
             # one client, one lease at a time: the warm pool always has one ready
             wait_for(lambda: states(pool)["ready"] >= warm - 1, "ready sandboxes")
-            for _ in range(max(1, cycles // rounds)):
+            for i in range(2 * max(1, cycles // rounds)):
                 t0 = time.perf_counter()
                 sb = sandman.acquire(image, pool=pool, timeout=120)
                 t1 = time.perf_counter()
-                assert ray.get(sb.exec.remote("true")).exit_code == 0
+                if i % 2 == 0:
+                    assert sb.exec("true").exit_code == 0
+                else:
+                    assert ray.get(sb.exec.remote("true")).exit_code == 0
                 t2 = time.perf_counter()
                 sandman.release(sb)
                 t3 = time.perf_counter()
-                for name, span in zip(CYCLE_STEPS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-                    times[name].append(span)
+                if i % 2 == 0:
+                    for name, span in zip(CYCLE_STEPS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                        times[name].append(span)
+                else:
+                    for name, span in zip(REMOTE_STEPS, (t2 - t1, t3 - t0)):
+                        times[name].append(span)
             for _ in range(50):
                 t = time.perf_counter()
                 ray.get(bare.noop.remote())
                 times["bare call"].append(time.perf_counter() - t)
         # a lease, its release and its reset (and a status question per round)
-        pool_cpu = (process_cpu_s(pid) - cpu) * 1e3 / len(times["acquire"])
+        pool_cpu = (process_cpu_s(pid) - cpu) * 1e3 / (
+            len(times["acquire"]) + len(times[REMOTE_STEPS[0]]))
     finally:
         sandman.shutdown_pool(pool)
     out = {name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "samples": len(v)}
@@ -533,7 +547,7 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
     out["pool_cpu_ms_per_cycle"] = pool_cpu
     call = out["bare call"]["p50_ms"]
     out["in bare calls"] = {"%s %s" % (name, q): out[name]["%s_ms" % q] / call
-                            for name in CYCLE_STEPS for q in ("p50", "p99")}
+                            for name in CYCLE_STEPS + REMOTE_STEPS for q in ("p50", "p99")}
     return out
 
 
@@ -543,7 +557,7 @@ def _cycle_rows(c: dict) -> List[tuple]:
              "%.2f ms" % c[name]["p50_ms"],
              "p99 %.2f ms; %.1f / %.1f bare calls" % (c[name]["p99_ms"], calls[name + " p50"],
                                                      calls[name + " p99"]))
-            for name in CYCLE_STEPS]
+            for name in CYCLE_STEPS + REMOTE_STEPS]
     rows.append(("cycle", "bare actor call (rounds between the cycles)",
                  "%.2f ms" % c["bare call"]["p50_ms"],
                  "p99 %.2f ms" % c["bare call"]["p99_ms"]))

@@ -73,7 +73,7 @@ class RayCluster:
 
     def _to_host(self, host: str, method: str, *args) -> None:
         """A call to the host named ``host``, without waiting for its answer: sent at
-        once when its handle is known (an offer then reaches the host before the
+        once when its handle is known (an offer then reaches the host about when the
         lease's answer reaches the client), else from a thread that looks the name up
         (a GCS call; never on the event loop)."""
         actor = self.hosts.get(host)

@@ -262,20 +262,24 @@ class Reconciler:
         self.records.lend(rec, lease, waiter.client, None)
         rec.holder_seen, rec.registered_at = False, 0.0
         rec.leased_at = rec.last_used = now
+        offer = False
         if waiter.holder is not None:
             if waiter.holder_node is None:  # an actor to watch; any host may register
                 self.records.hold(rec, waiter.holder)
             elif reachable(info, waiter.holder_node):
-                # the client's host holds it now, and is handed it to connect before the
-                # client's first call comes (the host may still be starting: it is
+                # the client's host holds it now (it may still be starting: it is
                 # reclaimed for being gone only once it was seen)
                 self._hold(rec, waiter.holder, seen=False)
-                self.cluster.offer(waiter.holder, lease)
+                offer = True
         self._to(rec, State.LEASED, "lent to %s" % waiter.client)
         self.last_lent[rec.spec] = now
         self.stats["leases"] += 1
         self.metrics.lent(now - waiter.enqueued)
         waiter.future.set_result(lease)
+        if offer:
+            # and is handed it to connect, right after the answer leaves: a client's
+            # direct calls need no host, and a call through it waits for the offer
+            asyncio.get_running_loop().call_soon(self.cluster.offer, waiter.holder, lease)
 
     def allowed(self, client: str) -> bool:
         quota = self.config.client_quota

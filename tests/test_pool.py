@@ -169,6 +169,27 @@ def test_direct_calls_keep_their_lease_in_use(cluster, image):
         sandman.shutdown_pool(pool)
 
 
+def test_a_pool_starts_its_node_agents_as_it_starts_and_stops_them(cluster):
+    """A cold pool's first burst does not wait for actor processes: the node's agent
+    runs before any acquire, and goes with the pool."""
+    from sandman_ray.pool.actor import NAMESPACE
+    from sandman_ray.providers.nodes import agent_name
+    pool = make_pool()
+    name = agent_name(pool, ray.get_runtime_context().get_node_id(), "agent")
+
+    def agent_alive():
+        try:
+            return ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(), timeout=5)
+        except (ValueError, ray.exceptions.RayError):
+            return None
+    try:
+        assert wait_until(agent_alive, timeout=60, what="the pool's node agent")
+        assert sum(states(pool).values()) == 0  # no sandbox asked for, none made
+    finally:
+        sandman.shutdown_pool(pool)
+    wait_until(lambda: agent_alive() is None, timeout=30, what="the agent to go with its pool")
+
+
 def test_one_host_actor_serves_every_lease_of_a_process_on_a_node(cluster, image):
     pool = make_pool(warm={image: 1})
     try:

@@ -50,12 +50,20 @@ class PoolActor:
         return self.pool
 
     async def _run(self) -> None:
+        asyncio.get_running_loop().create_task(self._warm_up())
         try:
             await self.pool.recover()
         except Exception as exc:  # the pool must still serve; say what was lost
             logger.exception("pool %s: recovery failed: %s", self.name, exc)
         self.recovered.set_result(None)
         await self.pool.run()
+
+    async def _warm_up(self) -> None:
+        """The provider's agents start with the pool, not at its first create."""
+        try:
+            await self.config.provider.warm_up()
+        except Exception:  # noqa: BLE001 - the creates will say what is wrong
+            logger.exception("pool %s: the provider did not warm up", self.name)
 
     async def start(self) -> str:
         await self._started()

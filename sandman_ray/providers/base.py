@@ -132,6 +132,12 @@ class Provider(abc.ABC):
             return info
         raise fatal("sandbox %s does not exist" % sandbox_id)
 
+    async def warm_up(self) -> None:
+        """Start what a first create would otherwise wait for (a node agent, a
+        connection): the pool calls it once as it starts, without waiting for it, so
+        that a first burst finds the provider running. Failures are the create's to
+        report."""
+
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes, a new token),
         keeping its id, and return once its daemon answers."""

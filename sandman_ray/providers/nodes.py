@@ -150,6 +150,21 @@ class NodeAgentProvider(Provider):
         return min(nodes, key=lambda n: (counts[n], (nodes.index(n) - self._next) % len(nodes)))
 
     # ---- the Provider interface
+    async def warm_up(self) -> None:
+        """An agent on every alive node, started now and awaited (the first create on
+        a node would otherwise wait ~1 s for its actor process); a node that joins
+        later gets its agent at its first create."""
+        try:
+            refs = [self.agent(node).__ray_ready__.remote()
+                    for node in await self.alive_nodes()]
+        except ProviderError:  # shut down meanwhile: nothing to start
+            return
+        for ref in refs:
+            try:
+                await ref
+            except ray.exceptions.RayError as exc:  # its creates will say why
+                logger.warning("pool %s: an agent did not start: %s", self.pool, exc)
+
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels_given: Dict[str, str]) -> SandboxInfo:
         node = self._where.get(sandbox_id) or await self._pick_node()
@@ -230,12 +245,14 @@ class NodeAgentProvider(Provider):
         afterwards."""
         self._closed = True
         total, failed = 0, None
-        for node_id in await self.alive_nodes():
-            try:
-                agent = ray.get_actor(agent_name(self.pool, node_id, self.agent_kind),
-                                      namespace=NAMESPACE)
-            except ValueError:
-                continue
+        for node_id in set(await self.alive_nodes()) | set(self._agents):
+            agent = self._agents.get(node_id)  # this process started it (perhaps just now)
+            if agent is None:
+                try:
+                    agent = ray.get_actor(agent_name(self.pool, node_id, self.agent_kind),
+                                          namespace=NAMESPACE)
+                except ValueError:
+                    continue
             try:
                 total += await agent.shutdown.remote()
             except ray.exceptions.RayActorError:

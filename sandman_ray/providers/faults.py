@@ -46,6 +46,9 @@ class FaultyProvider(Provider):
             raise transient("503 Service Unavailable (injected)")
         return await self.inner.create(sandbox_id, spec, labels)
 
+    async def warm_up(self) -> None:
+        await self.inner.warm_up()
+
     async def delete(self, sandbox_id: str) -> None:
         await self.inner.delete(sandbox_id)
 

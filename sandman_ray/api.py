@@ -273,7 +273,8 @@ def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optio
 def _handle(lease, host: _Host) -> SandboxHandle:
     """The handle of a lease ``host`` holds; its direct calls connect from this process
     when it reaches the daemon (sandman_ray.direct)."""
-    direct = Direct(lease, host.name) if reachable(lease, _this_node()) else None
+    direct = Direct(lease, host.name, get_pool(lease.pool)) \
+        if reachable(lease, _this_node()) else None
     return SandboxHandle(host.actor, lease.lease_id, lease.sandbox_id, lease.node_id,
                          lease.pool, host_name=host.name, direct=direct)
 

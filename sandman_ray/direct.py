@@ -1,26 +1,30 @@
 """Direct calls: a SandboxHandle's operations run from the caller's own process, with no
 Ray hop (``sb.exec("true")``, ``await sb.exec_async("true")``).
 
-The process that acquired a lease connects to its daemon itself when it can reach it
-(a unix socket on its own node, or a TCP address) and keeps a few connections for the
-next calls: blocking ones, one per call in flight (IDLE_CONNECTIONS kept), and one
-multiplexed asyncio connection per event loop. The handle host still holds the lease:
-dropping the handle, the process dying or the pool reclaiming the lease end it as
-before. A handle passed to another process, or a lease it cannot reach, makes the same
-calls through its host (``ray.get(sb.exec.remote(...))``).
+The process that acquired a lease connects to its daemon itself when its address
+says it can (a unix socket on its own node, or a TCP address) and keeps a few
+connections for the next calls: blocking ones, one per call in flight (IDLE_CONNECTIONS
+kept), and one multiplexed asyncio connection per event loop. The handle host still
+holds the lease: dropping the handle, the process dying or the pool reclaiming the
+lease end it as before. A handle passed to another process, a lease it cannot reach,
+and a daemon this process fails to connect to (a TCP address out of its reach) make the
+same calls through the host (``ray.get(sb.exec.remote(...))``). The LocalProvider's
+daemons listen on unix sockets: from another node, a handle calls through its host.
 
-What ends a lease ends its direct connections: ``release`` closes them here; when the
+What ends a lease ends its direct connections: ``release`` cuts them here; when the
 pool ends a lease (its TTL, idleness, a shutdown), the sandbox is reset or deleted
 before anyone else gets it, and a reset cuts every connection and gives the daemon a
 new token, so a direct call of the old holder fails with LeaseEnded, never reaching the
-next holder's sandbox.
+next holder's sandbox. (Until that reset, a few milliseconds, a direct call of the old
+holder still reaches its own former sandbox; a call through the host is refused as
+soon as the pool's word arrives.)
 """
 
 import asyncio
+import socket
 import threading
 import time
-import weakref
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import ray
 
@@ -33,24 +37,32 @@ TOUCH_EVERY_S = 2.0  # how often a lease in use by direct calls tells the pool
 WHY_WAIT_S = 10.0  # how long a call that lost its daemon asks the pool why
 
 
-class Direct:
-    """This process's connections to one lease's daemon."""
+class Unreachable(Exception):
+    """This process cannot connect to the daemon (nothing was sent): the call goes
+    through the host instead."""
 
-    def __init__(self, lease, holder: Optional[str]):
+
+class Direct:
+    """This process's connections to one lease's daemon; ``pool``: the PoolActor's
+    handle (touches, and why a lease ended)."""
+
+    def __init__(self, lease, holder: Optional[str], pool):
         self.address, self.token = lease.address, lease.token
-        self.lease_id, self.pool, self.sandbox_id = lease.lease_id, lease.pool, lease.sandbox_id
+        self.lease_id, self.sandbox_id = lease.lease_id, lease.sandbox_id
         self.holder = holder  # the host that holds the lease (a touch names it)
+        self.pool = pool
         self.lock = threading.Lock()
         self.idle: List[DaemonClient] = []
         self.busy: Set[DaemonClient] = set()
-        self.loops: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.loops: Dict[asyncio.AbstractEventLoop, "asyncio.Future"] = {}
         self.touched = time.monotonic()  # the pool marked the lease used as it lent it
         self.ended: Optional[str] = None  # why this process stopped using the lease
+        self.reached = False  # a connection was made once (else a failed one: Unreachable)
 
     # ---- blocking
     def call(self, op: str, args: tuple, kwargs: dict):
-        self._touch()
         client, ok = self._client(), False
+        self._touch()
         try:
             result = getattr(client, op)(*args, **kwargs)
             ok = True
@@ -75,8 +87,13 @@ class Direct:
                 return client
         try:
             client = DaemonClient(self.address, self.token)
-        except (ConnectionLost, AuthError) as exc:
+        except ConnectionLost as exc:
+            if not self.reached:
+                raise Unreachable(str(exc)) from exc
             raise self._lost(exc, "connect", ray.get) from exc
+        except AuthError as exc:
+            raise self._lost(exc, "connect", ray.get) from exc
+        self.reached = True
         with self.lock:
             self.busy.add(client)
             if self.ended is not None:  # released while it connected
@@ -93,8 +110,8 @@ class Direct:
 
     # ---- asyncio
     async def call_async(self, op: str, args: tuple, kwargs: dict):
-        self._touch()
         client = await self._async_client()
+        self._touch()
         try:
             return await getattr(client, op)(*args, **kwargs)
         except (ConnectionLost, AuthError) as exc:
@@ -104,71 +121,94 @@ class Direct:
             raise self._timed_out(op, exc) from exc
 
     async def _async_client(self) -> AsyncDaemonClient:
+        """This loop's connection; the first call on a loop connects and the others
+        wait for it (and connect themselves if it failed or was cancelled)."""
         loop = asyncio.get_running_loop()
-        with self.lock:
-            self._check_open()
-            made = self.loops.get(loop)
-            if made is None:  # the first call on this loop connects; the others wait
-                made = self.loops[loop] = loop.create_future()
-                connecting = True
-            else:
-                connecting = False
-        if not connecting:
-            client = await asyncio.shield(made)
-            if client.closed:
-                self._drop_async(client)
-                return await self._async_client()
-            return client
+        while True:
+            with self.lock:
+                self._check_open()
+                stale = self._closed_loops()
+                made = self.loops.get(loop)
+                connecting = made is None
+                if connecting:
+                    made = self.loops[loop] = loop.create_future()
+            for client in stale:
+                _cut(client, None)
+            if connecting:
+                return await self._connect_async(loop, made)
+            try:
+                client = await asyncio.shield(made)
+            except asyncio.CancelledError:
+                if made.cancelled() and not asyncio.current_task().cancelling():
+                    continue  # the connecting call was cancelled, not this one
+                raise
+            except (ConnectionLost, AuthError, Unreachable, LeaseEnded, SandboxLost):
+                continue  # its own error went to its caller; this one tries itself
+            if not client.closed:
+                return client
+            self._drop_async(client)
+
+    async def _connect_async(self, loop, made: "asyncio.Future") -> AsyncDaemonClient:
         try:
             client = await AsyncDaemonClient.connect(self.address, self.token)
-        except (ConnectionLost, AuthError) as exc:
-            with self.lock:
-                self.loops.pop(loop, None)
-            made.set_exception(exc)
-            made.exception()  # retrieved: the waiters, if any, raise it themselves
-            raise (await self._lost_async(exc, "connect")) from exc
         except BaseException as exc:
             with self.lock:
-                self.loops.pop(loop, None)
-            made.cancel()
-            raise exc
+                if self.loops.get(loop) is made:
+                    del self.loops[loop]
+            if isinstance(exc, Exception):
+                made.set_exception(exc)
+                made.exception()  # retrieved: the waiters connect themselves
+            else:
+                made.cancel()
+            if isinstance(exc, ConnectionLost) and not self.reached:
+                raise Unreachable(str(exc)) from exc
+            if isinstance(exc, (ConnectionLost, AuthError)):
+                raise (await self._lost_async(exc, "connect")) from exc
+            raise
+        self.reached = True
         made.set_result(client)
         with self.lock:
             late = self.ended is not None
-        if late:
-            client.close()
+        if late:  # released while it connected
+            _cut(client, loop)
             self._check_open()
         return client
+
+    def _closed_loops(self) -> List[AsyncDaemonClient]:
+        """Forget the connections of loops that have closed (an ``asyncio.run`` that
+        ended); returns them, to be cut (the caller holds the lock)."""
+        stale = []
+        for loop in [loop for loop in self.loops if loop.is_closed()]:
+            client = _made(self.loops.pop(loop))
+            if client is not None:
+                stale.append(client)
+        return stale
 
     def _drop_async(self, client: AsyncDaemonClient) -> None:
         with self.lock:
             for loop, made in list(self.loops.items()):
-                if made.done() and not made.cancelled() and made.exception() is None \
-                        and made.result() is client:
+                if _made(made) is client:
                     del self.loops[loop]
-        client.close()
+        _cut(client, asyncio.get_running_loop())
 
     # ---- the lease
     def close(self, reason: str) -> None:
         """This process is done with the lease (``release``, or the handle was
-        dropped): close every connection; calls in flight are cut."""
+        dropped): cut every connection; calls in flight end at once."""
         with self.lock:
             if self.ended is None:
                 self.ended = reason
             idle, self.idle = self.idle, []
             busy = list(self.busy)
-            made = list(self.loops.values())
+            made = [(_made(fut), loop) for loop, fut in self.loops.items()]
             self.loops.clear()
         for client in idle:
             client.close()
         for client in busy:
             client.abort()
-        for fut in made:  # an asyncio connection is closed on its own loop
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                try:
-                    fut.get_loop().call_soon_threadsafe(fut.result().close)
-                except RuntimeError:  # its loop is closed, and the connection with it
-                    pass
+        for client, loop in made:
+            if client is not None:
+                _cut(client, loop)
 
     def _check_open(self) -> None:
         """Raise LeaseEnded if this process released the lease (the caller holds the
@@ -181,13 +221,12 @@ class Direct:
         """Tell the pool the lease is in use, every TOUCH_EVERY_S (its idle reclaim
         counts direct calls too); no answer is awaited."""
         now = time.monotonic()
-        if now - self.touched <= TOUCH_EVERY_S:
-            return
-        self.touched = now
+        with self.lock:
+            if now - self.touched <= TOUCH_EVERY_S:
+                return
+            self.touched = now
         try:
-            from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
-            pool = ray.get_actor(pool_actor_name(self.pool), namespace=NAMESPACE)
-            pool.touch.remote(self.lease_id, self.holder)
+            self.pool.touch.remote(self.lease_id, self.holder)
         except Exception:  # noqa: BLE001 - the pool is gone: the call says so itself
             pass
 
@@ -198,9 +237,7 @@ class Direct:
         """An ObjectRef of why the pool ended the lease (None: it did not), or None
         when the pool cannot be asked."""
         try:
-            from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
-            return ray.get_actor(pool_actor_name(self.pool),
-                                 namespace=NAMESPACE).why_ended.remote(self.lease_id)
+            return self.pool.why_ended.remote(self.lease_id)
         except Exception:  # noqa: BLE001 - no pool: the sandbox went with it
             return None
 
@@ -229,12 +266,36 @@ class Direct:
     def _error(self, exc: Exception, op: str, reason: Optional[str]) -> Exception:
         with self.lock:
             mine = self.ended
-        if mine is not None or reason is not None:
-            self.close(reason or mine)
-            why = mine or reason
+        why = reason or mine
+        if why is None and isinstance(exc, AuthError):
+            why = "sandbox %s no longer takes this lease's token" % self.sandbox_id
+        if why is not None:
+            self.close(why)
             return LeaseEnded("lease %s has ended: %s" % (self.lease_id, why), why)
-        if isinstance(exc, AuthError):
-            self.close("sandbox %s no longer takes this lease's token" % self.sandbox_id)
-            return LeaseEnded("lease %s has ended: sandbox %s no longer takes its token"
-                              % (self.lease_id, self.sandbox_id), "token refused")
         return SandboxLost("sandbox %s is gone (%s during %s)" % (self.sandbox_id, exc, op))
+
+
+def _made(fut: "asyncio.Future") -> Optional[AsyncDaemonClient]:
+    """The connection a loop's future holds, if it was made."""
+    if fut.done() and not fut.cancelled() and fut.exception() is None:
+        return fut.result()
+    return None
+
+
+def _cut(client: AsyncDaemonClient, loop) -> None:
+    """End an asyncio connection from any thread, whether its loop runs or has closed:
+    shut its socket down (the daemon ends the connection, and a request sent after
+    fails), and close it on its ``loop`` when that still runs."""
+    transport = client._transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+    if loop is not None and not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(client.close)
+        except RuntimeError:  # closed meanwhile
+            pass

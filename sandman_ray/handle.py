@@ -42,7 +42,7 @@ from sandman_ray.client import DaemonClient
 from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
 # daemon connections a lease keeps open for its next calls, and how often a busy lease
 # tells the pool it is in use: the same for a host as for direct calls
-from sandman_ray.direct import IDLE_CONNECTIONS, TOUCH_EVERY_S, Direct
+from sandman_ray.direct import IDLE_CONNECTIONS, TOUCH_EVERY_S, Direct, Unreachable
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 from sandman_ray.pool.metrics import handle_call_latency
@@ -483,7 +483,10 @@ class _Method:
         if self.op in DESCRIBED:
             return getattr(handle, _LOCAL[self.op])
         if handle._direct is not None:
-            return handle._direct.call(self.op, args, kwargs)
+            try:
+                return handle._direct.call(self.op, args, kwargs)
+            except Unreachable:  # nothing was sent: through the host from here on
+                handle._direct = None
         return ray.get(self.remote(*args, **kwargs))
 
     def remote(self, *args, **kwargs):
@@ -519,7 +522,10 @@ class _AsyncMethod:
         if self.op in DESCRIBED:
             return getattr(handle, _LOCAL[self.op])
         if handle._direct is not None:
-            return await handle._direct.call_async(self.op, args, kwargs)
+            try:
+                return await handle._direct.call_async(self.op, args, kwargs)
+            except Unreachable:  # nothing was sent: through the host from here on
+                handle._direct = None
         return await _Method(handle, self.op).remote(*args, **kwargs)
 
 

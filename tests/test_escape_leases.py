@@ -51,6 +51,11 @@ def next_tenant_is_safe_from(old, image, pool, error=None):
                      lambda: asyncio.run(old.exec_async("cat /tmp/secret"))):
             with pytest.raises(error):
                 call()
+
+        async def side_by_side():  # calls that wait on one loop's connect
+            return await asyncio.gather(*[old.exec_async("cat /tmp/secret")
+                                          for _ in range(4)], return_exceptions=True)
+        assert all(isinstance(r, error) for r in asyncio.run(side_by_side()))
         assert ray.get(new.exec.remote("ls /tmp")).stdout == b"secret\n"
         assert ray.get(new.read_file.remote("/tmp/secret")) == b"tenant B"
 

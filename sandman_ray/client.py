@@ -534,6 +534,20 @@ class AsyncDaemonClient(_Operations):
             self._transport.close()
         self._fail(ConnectionLost("client closed"))
 
+    def abort(self) -> None:
+        """Cut the connection from any thread, also once its loop has closed: the
+        socket is shut down, so the daemon ends the connection (and stops what its
+        calls started) and a request sent afterwards fails. ``close`` it on its loop
+        to let its calls there end at once."""
+        sock = self._transport.get_extra_info("socket") if self._transport else None
+        if sock is None:
+            return
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+
     async def __aenter__(self) -> "AsyncDaemonClient":
         return self
 

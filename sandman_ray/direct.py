@@ -21,7 +21,6 @@ soon as the pool's word arrives.)
 """
 
 import asyncio
-import socket
 import threading
 import time
 from typing import Dict, List, Optional, Set
@@ -283,17 +282,9 @@ def _made(fut: "asyncio.Future") -> Optional[AsyncDaemonClient]:
 
 
 def _cut(client: AsyncDaemonClient, loop) -> None:
-    """End an asyncio connection from any thread, whether its loop runs or has closed:
-    shut its socket down (the daemon ends the connection, and a request sent after
-    fails), and close it on its ``loop`` when that still runs."""
-    transport = client._transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is not None:
-        try:
-            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
-                dup.shutdown(socket.SHUT_RDWR)
-        except OSError:  # closed already
-            pass
+    """End an asyncio connection from any thread, whether its loop runs or has closed,
+    and close it on its ``loop`` when that still runs."""
+    client.abort()
     if loop is not None and not loop.is_closed():
         try:
             loop.call_soon_threadsafe(client.close)

@@ -10,6 +10,7 @@ codec and op table (``sandmand.wire``): each method is named as the op it sends.
 """
 
 import asyncio
+import collections
 import errno
 import io
 import itertools
@@ -35,6 +36,38 @@ REPLY_SLACK_S = 30.0
 READ_CHUNK = 32 * 1024 * 1024  # the daemon answers at most this much per read_file
 UPLOAD_CHUNK = 8 * 1024 * 1024
 MAX_RESULT_BYTES = 1 << 30  # read_file and get_archive keep at most this (max_bytes)
+STREAM_BUFFER = 8 * 1024 * 1024  # streamed output an asyncio reader may lag by
+CANCEL_WAIT_S = 10.0  # a stream given up: how long its end may take to arrive
+STOP_POLL_S = 0.2  # how often a blocking stream asks its ``stop`` while no output comes
+
+
+class ExecStream:
+    """What ``exec_stream`` returns on a blocking connection: iterate it for
+    ``(stream, bytes)`` chunks and, last, the ExecResult (a NamedTuple too: tell it by
+    ``isinstance(item, ExecResult)``), which ``result`` keeps.
+    ``close()`` (or dropping it) before the end kills the command."""
+
+    def __init__(self, frames):
+        self._frames = frames
+        self.result: Optional[ExecResult] = None
+
+    def __iter__(self) -> "ExecStream":
+        return self
+
+    def __next__(self):
+        item = next(self._frames)
+        if isinstance(item, ExecResult):
+            self.result = item
+        return item
+
+    def close(self) -> None:
+        self._frames.close()
+
+    def __enter__(self) -> "ExecStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Request:
@@ -89,18 +122,50 @@ class _Operations:
     def exec(self, cmd: Command, *, timeout: Optional[float] = None, cwd: Optional[str] = None,
              env: Optional[Dict[str, Optional[str]]] = None, stdin: Optional[bytes] = None,
              max_output: Optional[int] = None, kill_grace_s: Optional[float] = None,
-             on_output: Optional[OnOutput] = None):
+             command_id: Optional[str] = None, on_output: Optional[OnOutput] = None):
         """Run a command once (a shell string, or an argv list run without a shell).
         With ``on_output`` the output is streamed to it as ``(stream, bytes)`` and the
-        result's stdout/stderr are empty."""
+        result's stdout/stderr are empty. ``command_id``: run it once per lease; a
+        retry with the same id gets the first run's result (waiting while it runs)."""
         fields = {"cmd": cmd if isinstance(cmd, str) else list(cmd)}
         if timeout is not None or cwd or env or stdin or max_output is not None \
-                or kill_grace_s is not None or on_output:
+                or kill_grace_s is not None or on_output or command_id is not None:
             fields.update(_present({"timeout": timeout, "cwd": cwd, "env": env, "stdin": stdin,
                                     "max_output": max_output, "kill_grace_s": kill_grace_s,
+                                    "command_id": command_id,
                                     "stream": True if on_output else None}))
         return self._call("exec", fields, ExecResult.from_wire,
                           _reply_timeout(timeout, self.default_timeout), on_output)
+
+    def exec_stream(self, cmd: Command, *, timeout: Optional[float] = None,
+                    cwd: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None,
+                    stdin: Optional[bytes] = None, max_output: Optional[int] = None,
+                    kill_grace_s: Optional[float] = None, command_id: Optional[str] = None,
+                    stop: Optional[Callable[[], bool]] = None):
+        """Run a command, its output streamed: an iterator of ``(stream, bytes)``
+        chunks as they arrive ("stdout" or "stderr"), then the ExecResult (its stdout
+        and stderr empty), also kept as the iterator's ``result``. The daemon sends
+        what the reader takes (a reader that lags slows the command's writes, and
+        nothing piles up); a reader that stops, closes the iterator or is cancelled
+        kills the command. No cap unless ``max_output`` is given. ``stop``: asked
+        every STOP_POLL_S while no output comes (blocking client); True gives the
+        stream up, as closing it does."""
+        fields = _present({"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout,
+                           "cwd": cwd, "env": env, "stdin": stdin, "max_output": max_output,
+                           "kill_grace_s": kill_grace_s, "command_id": command_id,
+                           "stream": True})
+        return self._stream("exec", fields, ExecResult.from_wire,
+                            _reply_timeout(timeout, self.default_timeout), stop)
+
+    def _stream(self, op: str, fields: Dict[str, Any], convert, timeout: Optional[float],
+                stop=None):
+        raise NotImplementedError  # pragma: no cover - implemented by the transports
+
+    def cancel(self, target: int):
+        """Give up request ``target`` in flight on this connection (its command is
+        killed); whether it was in flight."""
+        return self._call("cancel", {"target": target}, lambda r: r["cancelled"],
+                          self.default_timeout)
 
     # sessions
     def session_open(self, session: str = "default", *, shell: Optional[str] = None,
@@ -110,11 +175,14 @@ class _Operations:
                                  timeout=self.default_timeout)
 
     def run(self, cmd: str, *, session: str = "default", timeout: Optional[float] = None,
-            max_output: Optional[int] = None, kill_grace_s: Optional[float] = None):
+            max_output: Optional[int] = None, kill_grace_s: Optional[float] = None,
+            command_id: Optional[str] = None):
         """Run ``cmd`` in a persistent shell session (opened on first use for
-        ``default``): cwd, variables and functions carry over to the next run."""
+        ``default``): cwd, variables and functions carry over to the next run.
+        ``command_id``: as for ``exec``, once per lease."""
         fields = _present({"session": session, "cmd": cmd, "timeout": timeout,
-                           "max_output": max_output, "kill_grace_s": kill_grace_s})
+                           "max_output": max_output, "kill_grace_s": kill_grace_s,
+                           "command_id": command_id})
         return self._call("run", fields, ExecResult.from_wire,
                                  _reply_timeout(timeout, self.default_timeout))
 
@@ -131,10 +199,12 @@ class _Operations:
     # background processes
     def spawn(self, cmd: Command, *, cwd: Optional[str] = None,
               env: Optional[Dict[str, Optional[str]]] = None, stdin: Optional[bytes] = None,
-              buffer_bytes: Optional[int] = None):
-        """Start a background process; returns its pid."""
+              buffer_bytes: Optional[int] = None, command_id: Optional[str] = None):
+        """Start a background process; returns its pid. ``command_id``: started once
+        per lease; a retry with the same id gets the same pid."""
         fields = _present({"cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd,
-                           "env": env, "stdin": stdin, "buffer_bytes": buffer_bytes})
+                           "env": env, "stdin": stdin, "buffer_bytes": buffer_bytes,
+                           "command_id": command_id})
         return self._call("spawn", fields, lambda r: r["pid"], self.default_timeout)
 
     def proc_status(self, pid: int):
@@ -159,6 +229,43 @@ class _Operations:
     def proc_signal(self, pid: int, signal: Union[int, str] = "TERM", group: bool = True):
         return self._call("proc_signal", _present({"pid": pid, "signal": signal, "group": group}),
                                  ProcessStatus.from_wire, self.default_timeout)
+
+    # terminals
+    def pty_open(self, cmd: Optional[Command] = None, *, cols: int = 80, rows: int = 24,
+                 cwd: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None,
+                 stdin: Optional[bytes] = None, buffer_bytes: Optional[int] = None):
+        """Start ``cmd`` (default: the sandbox's shell) on a new terminal of ``cols``
+        by ``rows``; returns ``{"pty": id, "pid": pid}``. Its output is kept in a ring
+        of ``buffer_bytes`` (1 MiB) for ``pty_read``."""
+        fields = _present({"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd),
+                           "cols": cols, "rows": rows, "cwd": cwd, "env": env, "stdin": stdin,
+                           "buffer_bytes": buffer_bytes})
+        return self._call("pty_open", fields, timeout=self.default_timeout)
+
+    def pty_write(self, pty: int, data: Union[bytes, str]):
+        """Type ``data`` into the terminal (keys: ``"\\x03"`` is Ctrl-C)."""
+        return self._call("pty_write", {"pty": pty, "data": data}, timeout=self.default_timeout)
+
+    def pty_read(self, pty: int, cursor: int = 0, *, max_bytes: Optional[int] = None,
+                 timeout: Optional[float] = None):
+        """The terminal's output from byte ``cursor``, waiting up to ``timeout`` s for
+        some when there is none yet: ``{"data", "cursor" (where to go on), "dropped",
+        "eof", "running", "exit_code", ...}``."""
+        fields = _present({"pty": pty, "cursor": cursor, "max_bytes": max_bytes,
+                           "timeout": timeout})
+        return self._call("pty_read", fields, timeout=_reply_timeout(timeout, self.default_timeout))
+
+    def pty_resize(self, pty: int, cols: int, rows: int):
+        return self._call("pty_resize", {"pty": pty, "cols": cols, "rows": rows},
+                          timeout=self.default_timeout)
+
+    def pty_close(self, pty: int, *, kill_grace_s: Optional[float] = None):
+        """End the terminal, its command and everything it started."""
+        return self._call("pty_close", _present({"pty": pty, "kill_grace_s": kill_grace_s}),
+                          timeout=self.default_timeout)
+
+    def pty_list(self):
+        return self._call("pty_list", {}, timeout=self.default_timeout)
 
     # files
     def read_file(self, path: str, offset: int = 0, length: Optional[int] = None, *,
@@ -377,6 +484,8 @@ class DaemonClient(_Operations):
     def close(self) -> None:
         self._sock.close()
 
+    broken = False  # a stream given up could not be read to its end: do not reuse
+
     def abort(self) -> None:
         """Cut the connection from another thread: a call waiting on it raises
         ConnectionLost at once, and the daemon stops what the call started."""
@@ -404,6 +513,79 @@ class DaemonClient(_Operations):
             return stop.value
         finally:
             plan.close()
+
+    def _stream(self, op, fields, convert, timeout, stop=None):
+        return ExecStream(self._stream_frames(op, fields, convert, timeout, stop))
+
+    def _stream_frames(self, op, fields, convert, timeout, stop):
+        """The generator behind ``exec_stream``: the connection is this stream's until
+        it ends. Closed early, it cancels the request and reads to its end, so the
+        connection can serve the next call."""
+        with self._lock:
+            rid = next(self._ids)
+            fields["op"], fields["id"] = op, rid
+            deadline = None if timeout is None else time.monotonic() + timeout
+            finished = False
+            try:
+                self._set_timeout(None)
+                self._sock.sendall(encode_frame(fields))
+                while True:
+                    reply = self._next_stream_frame(deadline, op, rid, stop)
+                    if reply is None:  # ``stop`` said so
+                        return
+                    got = reply.get("id")
+                    if got == rid:
+                        if "event" in reply:
+                            yield (reply["event"], reply["data"])
+                            continue
+                        finished = True
+                        result = _reply_value(reply, op)
+                        yield convert(result) if convert is not None else result
+                        return
+                    if got is None:
+                        raise _connection_error(reply)
+            except CallTimeout:
+                raise
+            except OSError as exc:
+                raise ConnectionLost("connection to %s lost during %s: %s"
+                                     % (self.address, op, exc)) from exc
+            finally:
+                if not finished:
+                    self._cancel_stream(rid)
+
+    def _next_stream_frame(self, deadline, op, rid, stop):
+        """The next frame, asking ``stop`` every STOP_POLL_S while none comes; None once
+        it says to stop."""
+        if stop is None:
+            return self._next_frame(deadline, op, rid)
+        while True:
+            poll = time.monotonic() + STOP_POLL_S
+            try:
+                return self._next_frame(poll if deadline is None else min(poll, deadline), op, rid)
+            except CallTimeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            if stop():
+                return None
+
+    def _cancel_stream(self, rid: int) -> None:
+        """Cancel stream ``rid`` (the daemon kills its command) and skip what it still
+        sends, up to its final reply; a connection that cannot be brought back to a
+        clean state is cut."""
+        try:
+            self._set_timeout(None)
+            self._sock.sendall(encode_frame({"op": "cancel", "id": next(self._ids),
+                                             "target": rid}))
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while True:
+                reply = self._next_frame(deadline, "cancel", rid)
+                if reply.get("id") == rid and "event" not in reply:
+                    return
+                if reply.get("id") is None:
+                    raise ConnectionLost("the daemon closed the connection")
+        except Exception:  # noqa: BLE001 - a connection in an unknown state: cut it
+            self.abort()
+            self.broken = True
 
     def _request(self, op, fields, timeout, on_event, hello=False):
         with self._lock:
@@ -567,6 +749,75 @@ class AsyncDaemonClient(_Operations):
             return stop.value
         finally:
             plan.close()
+
+    def _stream(self, op, fields, convert, timeout, stop=None):
+        return self._stream_events(op, fields, convert, timeout)
+
+    async def _stream_events(self, op, fields, convert, timeout):
+        """The async generator behind ``exec_stream``. While its reader lags by more
+        than STREAM_BUFFER bytes, this connection's reading pauses (the daemon then
+        pauses the command): give a stream a connection of its own when other calls
+        must not wait for its reader. Closed early, it cancels the request."""
+        if self._error is not None:
+            raise self._error
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        fields["op"], fields["id"] = op, rid
+        queue: "collections.deque" = collections.deque()
+        arrived = asyncio.Event()
+        state = {"bytes": 0, "paused": False}
+        fut = loop.create_future()
+
+        def on_event(name, data):
+            queue.append((name, data))
+            state["bytes"] += len(data)
+            arrived.set()
+            if state["bytes"] > STREAM_BUFFER and not state["paused"] and self._transport:
+                state["paused"] = True
+                self._transport.pause_reading()
+
+        def resume():
+            if state["paused"] and state["bytes"] <= STREAM_BUFFER // 2:
+                state["paused"] = False
+                if self._transport is not None and not self._transport.is_closing():
+                    self._transport.resume_reading()
+
+        self._pending[rid] = fut
+        self._events[rid] = on_event
+        fut.add_done_callback(lambda _f: arrived.set())
+        finished = False
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            self._transport.write(encode_frame(fields))
+            while True:
+                while queue:
+                    name, data = queue.popleft()
+                    state["bytes"] -= len(data)
+                    resume()
+                    yield (name, data)
+                if fut.done():
+                    finished = True
+                    result = _reply_value(fut.result(), op)
+                    yield convert(result) if convert is not None else result
+                    return
+                arrived.clear()
+                if queue or fut.done():
+                    continue
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise CallTimeout("no reply to %s from %s in time" % (op, self.address))
+                try:
+                    await asyncio.wait_for(arrived.wait(), left)
+                except asyncio.TimeoutError:
+                    continue
+        finally:
+            self._pending.pop(rid, None)
+            self._events.pop(rid, None)
+            state["bytes"] = 0
+            resume()
+            if not finished and self._error is None and self._transport is not None:
+                self._transport.write(encode_frame({"op": "cancel", "id": next(self._ids),
+                                                    "target": rid}))
 
     async def _request(self, op, fields, timeout, on_event, hello=False):
         if self._error is not None:

@@ -54,6 +54,7 @@ class Direct:
         self.idle: List[DaemonClient] = []
         self.busy: Set[DaemonClient] = set()
         self.loops: Dict[asyncio.AbstractEventLoop, "asyncio.Future"] = {}
+        self.streams: Dict[AsyncDaemonClient, asyncio.AbstractEventLoop] = {}  # asyncio streams
         self.touched = time.monotonic()  # the pool marked the lease used as it lent it
         self.ended: Optional[str] = None  # why this process stopped using the lease
         self.reached = False  # a connection was made once (else a failed one: Unreachable)
@@ -74,6 +75,31 @@ class Direct:
         except DaemonError:
             ok = True  # an answer: the connection is as good as before
             raise
+        finally:
+            self._give_back(client, ok)
+
+    def stream(self, op: str, args: tuple, kwargs: dict):
+        """A streaming op (``exec_stream``) on a connection of its own until it ends: a
+        generator of its items. Unreachable is raised here, before anything is sent."""
+        client = self._client()
+        self._touch()
+        return self._streamed(client, op, args, kwargs)
+
+    def _streamed(self, client: DaemonClient, op: str, args: tuple, kwargs: dict):
+        ok = False
+        try:
+            items = getattr(client, op)(*args, **kwargs)
+            try:
+                for item in items:
+                    yield item
+            finally:
+                items.close()  # given up early: cancelled, and read to its end
+                ok = not client.broken
+        except (ConnectionLost, AuthError) as exc:
+            ok = False
+            raise self._lost(exc, op, ray.get) from exc
+        except CallTimeout as exc:
+            raise self._timed_out(op, exc) from exc
         finally:
             self._give_back(client, ok)
 
@@ -118,6 +144,44 @@ class Direct:
             raise (await self._lost_async(exc, op)) from exc
         except CallTimeout as exc:
             raise self._timed_out(op, exc) from exc
+
+    async def open_stream_async(self, op: str, args: tuple, kwargs: dict):
+        """A streaming op on an asyncio connection of its own (its reader's pace pauses
+        that connection only): an async generator of its items. Unreachable is raised
+        here, before anything is sent."""
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            self._check_open()
+        try:
+            client = await AsyncDaemonClient.connect(self.address, self.token)
+        except ConnectionLost as exc:
+            if not self.reached:
+                raise Unreachable(str(exc)) from exc
+            raise (await self._lost_async(exc, "connect")) from exc
+        except AuthError as exc:
+            raise (await self._lost_async(exc, "connect")) from exc
+        self.reached = True
+        with self.lock:
+            self.streams[client] = loop
+            late = self.ended is not None
+        if late:
+            _cut(client, loop)
+        self._touch()
+        return self._streamed_async(client, op, args, kwargs)
+
+    async def _streamed_async(self, client: AsyncDaemonClient, op: str, args: tuple,
+                              kwargs: dict):
+        try:
+            async for item in getattr(client, op)(*args, **kwargs):
+                yield item
+        except (ConnectionLost, AuthError) as exc:
+            raise (await self._lost_async(exc, op)) from exc
+        except CallTimeout as exc:
+            raise self._timed_out(op, exc) from exc
+        finally:
+            with self.lock:
+                self.streams.pop(client, None)
+            client.close()
 
     async def _async_client(self) -> AsyncDaemonClient:
         """This loop's connection; the first call on a loop connects and the others
@@ -200,7 +264,9 @@ class Direct:
             idle, self.idle = self.idle, []
             busy = list(self.busy)
             made = [(_made(fut), loop) for loop, fut in self.loops.items()]
+            made += list(self.streams.items())
             self.loops.clear()
+            self.streams.clear()
         for client in idle:
             client.close()
         for client in busy:

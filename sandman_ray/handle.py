@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Set
 
 import ray
 
-from sandman_ray.client import DaemonClient
+from sandman_ray.client import DaemonClient, ExecStream
 from sandman_ray.daemon.sandmand.wire import OPS, CodecError, pack, unpack
 # daemon connections a lease keeps open for its next calls, and how often a busy lease
 # tells the pool it is in use: the same for a host as for direct calls
@@ -68,6 +68,11 @@ CONTROL_THREADS = 64
 # once) waits this long for it.
 TAKE_WAIT_S = 10.0
 RELEASE_WAIT_S = 60.0  # a dropped handle's lease: how long to wait for calls it sent
+# Chunks of a stream through the host (each up to 1 MiB) that may wait for their caller.
+STREAM_AHEAD = 16
+# Operations that stream, with a generator of their own (``exec_stream``): directly, an
+# iterator; ``.remote()``, a Ray streaming generator; ``_async``, an async iterator.
+STREAMED = ("exec_stream",)
 
 
 class _Held:
@@ -361,6 +366,34 @@ class _HandleHost:
     def _call(self, lease_id: str, op: str, args, kwargs, packed: Optional[bytes] = None):
         """One daemon call on a lease; ``packed``: args and kwargs as _Method.remote
         packed them, unpacked once the call counts as begun."""
+        with self._using(lease_id, op) as client:
+            if packed is not None:
+                try:
+                    args, kwargs = unpack(packed)
+                except CodecError as exc:
+                    raise TypeError("arguments of %s: %s" % (op, exc)) from None
+            return getattr(client, op)(*args, **kwargs)
+
+    @ray.method(num_returns="streaming", max_task_retries=0,
+                _generator_backpressure_num_objects=STREAM_AHEAD)
+    def exec_stream(self, lease_id: str, *args, **kwargs):
+        """``DaemonClient.exec_stream`` as a Ray streaming generator: each chunk an
+        object, then the ExecResult; at most STREAM_AHEAD chunks wait for the caller
+        (then the daemon waits too). A caller that drops the generator or cancels it
+        kills the command."""
+        with self._using(lease_id, "exec_stream") as client:
+            stream = client.exec_stream(*args, stop=_cancelled, **kwargs)
+            try:
+                for item in stream:
+                    yield item
+            finally:
+                stream.close()
+
+    @contextlib.contextmanager
+    def _using(self, lease_id: str, op: str):
+        """A connection of the lease for one call: counted as begun and in flight, the
+        pool touched now and then, errors said as a handle's, the connection kept for
+        the next call when the call left it sound."""
         now = time.monotonic()
         with self.lock:
             held = self._holding(lease_id)
@@ -377,22 +410,16 @@ class _HandleHost:
         try:
             if touch:
                 self._pool(lease.pool).touch.remote(lease_id, self.name)
-            if packed is not None:
-                try:
-                    args, kwargs = unpack(packed)
-                except CodecError as exc:
-                    raise TypeError("arguments of %s: %s" % (op, exc)) from None
             if client is None:  # every connection of this lease is busy: one more
                 client = DaemonClient(lease.address, lease.token)
                 with self.lock:
                     held.busy.add(client)
                     if held.ended:  # released while it connected
                         client.abort()
-            result = getattr(client, op)(*args, **kwargs)
-            reuse = True
+            yield client
+            reuse = not client.broken
             handle_call_latency().observe(time.monotonic() - now,
                                           tags={"pool": lease.pool, "op": op})
-            return result
         except ConnectionLost as exc:
             # the pool may have ended the lease and started the sandbox afresh before
             # its word arrived here
@@ -439,6 +466,11 @@ class _HandleHost:
             gone = self._take(lease_id, reason)
         self._end(gone)
         return LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
+
+
+def _cancelled() -> bool:
+    """Whether the caller cancelled the call this host thread serves (``ray.cancel``)."""
+    return ray.get_runtime_context().is_canceled()
 
 
 def _reconstructed() -> bool:
@@ -529,6 +561,108 @@ class _AsyncMethod:
         return await _Method(handle, self.op).remote(*args, **kwargs)
 
 
+class _StreamMethod:
+    """``handle.exec_stream``: calling it gives an iterator of ``(stream, bytes)``
+    chunks and then the ExecResult (``ExecStream``), directly or through the host;
+    ``.remote()`` gives Ray's streaming generator of the same items."""
+
+    __slots__ = ("handle", "op")
+
+    def __init__(self, handle: "SandboxHandle", op: str):
+        self.handle, self.op = handle, op
+
+    def __call__(self, *args, **kwargs) -> ExecStream:
+        handle = self.handle
+        if handle._direct is not None:
+            try:
+                return ExecStream(handle._direct.stream(self.op, args, kwargs))
+            except Unreachable:  # nothing was sent: through the host from here on
+                handle._direct = None
+        return ExecStream(_items(self.remote(*args, **kwargs)))
+
+    def remote(self, *args, **kwargs) -> "StreamRefs":
+        return StreamRefs(getattr(self.handle._host, self.op).remote(
+            self.handle.lease_id, *args, **kwargs))
+
+
+class StreamRefs:
+    """What ``sb.exec_stream.remote(...)`` returns: Ray's streaming generator
+    (``generator``, for ``ray.wait``), iterated as it is, for an ObjectRef per chunk and
+    then one of the ExecResult (``for ref in refs`` or ``async for ref in refs``).
+    ``cancel()``, or dropping it before its end, kills the command."""
+
+    __slots__ = ("generator",)
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def __iter__(self) -> "StreamRefs":
+        return self
+
+    def __next__(self):
+        return next(self.generator)
+
+    def __aiter__(self) -> "StreamRefs":
+        return self
+
+    async def __anext__(self):
+        return await self.generator.__anext__()
+
+    def is_finished(self) -> bool:
+        return self.generator.is_finished()
+
+    def cancel(self) -> None:
+        """Give the stream up: its command is killed."""
+        if not self.generator.is_finished():
+            try:
+                ray.cancel(self.generator)
+            except Exception:  # noqa: BLE001 - it ended meanwhile, or Ray is down
+                pass
+
+    def __del__(self):
+        try:
+            self.cancel()
+        except Exception:  # noqa: BLE001 - at interpreter exit
+            pass
+
+
+def _items(refs):
+    """The values of a streaming generator's refs, as they come; closing this drops
+    the generator (its command is killed)."""
+    try:
+        for ref in refs:
+            yield ray.get(ref)
+    finally:
+        refs.cancel()
+
+
+class _AsyncStreamMethod:
+    """``handle.exec_stream_async``: ``async for item in sb.exec_stream_async(...)``."""
+
+    __slots__ = ("handle", "op")
+
+    def __init__(self, handle: "SandboxHandle", op: str):
+        self.handle, self.op = handle, op
+
+    async def __call__(self, *args, **kwargs):
+        handle = self.handle
+        if handle._direct is not None:
+            try:
+                stream = await handle._direct.open_stream_async(self.op, args, kwargs)
+            except Unreachable:
+                handle._direct = None
+            else:
+                async for item in stream:
+                    yield item
+                return
+        refs = _StreamMethod(handle, self.op).remote(*args, **kwargs)
+        try:
+            async for ref in refs:
+                yield await ref
+        finally:
+            refs.cancel()
+
+
 # what a described operation answers, from the handle itself
 _LOCAL = {"sandbox_id": "sandbox", "node_id": "node"}
 
@@ -567,9 +701,13 @@ class SandboxHandle:
     def __getattr__(self, op: str):
         if op in FORWARDED or op in DESCRIBED:
             return _Method(self, op)
+        if op in STREAMED:
+            return _StreamMethod(self, op)
         base = op[:-len("_async")] if op.endswith("_async") else None
         if base in FORWARDED or base in DESCRIBED:
             return _AsyncMethod(self, base)
+        if base in STREAMED:
+            return _AsyncStreamMethod(self, base)
         raise AttributeError("SandboxHandle has no operation %r" % op)
 
     def __reduce__(self):

@@ -132,6 +132,102 @@ def test_direct_calls_answer_as_remote_calls_do(pool, image):
         assert ray.get(sb.proc_status.remote(spawned)).running  # one sandbox, both ways
 
 
+def _whole(items):
+    """(stdout bytes, the ExecResult) of a stream's items."""
+    out, result = b"", None
+    for item in items:
+        if isinstance(item, sandman.ExecResult):
+            result = item
+        else:
+            assert item[0] in ("stdout", "stderr")
+            out += item[1] if item[0] == "stdout" else b""
+    return out, result
+
+
+def _no_sleep_left(sb):
+    return not sb.exec("pidof sleep").ok
+
+
+def test_exec_stream_yields_output_then_the_result_on_every_path(pool, image):
+    """Directly, through ``.remote()`` (a Ray streaming generator), with asyncio, and
+    through the host for a passed handle: the same chunks, then the ExecResult."""
+    import asyncio
+    cmd = "head -c 3000000 /dev/zero; echo tail"
+    with sandman.sandbox(image, pool=pool) as sb:
+        stream = sb.exec_stream(cmd)
+        out, result = _whole(stream)
+        assert len(out) == 3_000_005 and out.endswith(b"tail\n") and result.ok
+        assert stream.result is result and result.stdout == b""
+        out_remote, result_remote = _whole(ray.get(ref) for ref in sb.exec_stream.remote(cmd))
+        assert out_remote == out and result_remote.ok
+
+        async def consume():
+            got = []
+            async for item in sb.exec_stream_async(cmd):
+                got.append(item)
+            return got
+        assert _whole(asyncio.run(consume()))[0] == out
+        passed_on = pickle.loads(pickle.dumps(sb))
+        assert passed_on._direct is None
+        assert _whole(passed_on.exec_stream(cmd))[0] == out
+
+
+def test_a_stream_given_up_kills_its_command(pool, image):
+    """Closing the iterator, dropping ``.remote()``'s generator, or breaking out of an
+    async stream ends the command in the sandbox."""
+    import asyncio
+    cmd = "echo start; exec sleep 1000"
+    with sandman.sandbox(image, pool=pool) as sb:
+        stream = sb.exec_stream(cmd)
+        assert next(stream) == ("stdout", b"start\n")
+        stream.close()
+        wait_until(lambda: _no_sleep_left(sb), what="the direct stream's command killed")
+        refs = sb.exec_stream.remote(cmd)
+        assert ray.get(next(refs)) == ("stdout", b"start\n")
+        assert not _no_sleep_left(sb)
+        del refs
+        wait_until(lambda: _no_sleep_left(sb), what="the .remote() stream's command killed")
+
+        async def first_then_break():
+            async for item in sb.exec_stream_async(cmd):
+                return item
+        assert asyncio.run(first_then_break()) == ("stdout", b"start\n")
+        wait_until(lambda: _no_sleep_left(sb), what="the async stream's command killed")
+        assert sb.exec("echo fine").stdout == b"fine\n"
+
+
+def test_a_command_with_an_id_runs_once_on_every_path(pool, image):
+    """A retry with the same command id, directly, through the host or from a handle
+    passed to another process, returns the first run's result: the append ran once."""
+    cmd = "echo ran >> /tmp/log; wc -l < /tmp/log"
+    with sandman.sandbox(image, pool=pool) as sb:
+        first = sb.exec(cmd, command_id="append-once")
+        assert first.stdout == b"1\n"
+        assert ray.get(sb.exec.remote(cmd, command_id="append-once")) == first
+        passed_on = pickle.loads(pickle.dumps(sb))
+        assert passed_on.exec(cmd, command_id="append-once") == first
+        assert sb.read_file("/tmp/log") == b"ran\n"
+        assert sb.exec(cmd, command_id="append-twice").stdout == b"2\n"
+
+
+def test_a_terminal_runs_an_interactive_shell(pool, image):
+    """A PTY through the handle: ``sh -i`` answers keys, programs see a terminal of the
+    size asked, and closing it ends what it started."""
+    with sandman.sandbox(image, pool=pool) as sb:
+        term = sb.pty_open(["sh", "-i"], cols=90, rows=20)
+        sb.pty_write(term["pty"], "[ -t 0 ] && [ -t 1 ] && echo tty-$((6*7)); stty size\n")
+        seen, cursor = b"", 0
+        while b"20 90" not in seen:
+            r = ray.get(sb.pty_read.remote(term["pty"], cursor, timeout=10))
+            assert r["data"] or r["running"], seen
+            seen, cursor = seen + r["data"], r["cursor"]
+        assert b"tty-42" in seen
+        sb.pty_write(term["pty"], "sleep 1000 &\n")
+        wait_until(lambda: not _no_sleep_left(sb), what="the terminal's sleep")
+        assert not sb.pty_close(term["pty"])["running"]
+        wait_until(lambda: _no_sleep_left(sb), what="the terminal's processes gone")
+
+
 def test_a_passed_handle_calls_through_its_host(pool, image):
     """The direct path stays with the process that acquired the lease (its token is
     not pickled): a handle given to another process makes the same calls, directly

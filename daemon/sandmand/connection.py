@@ -123,7 +123,7 @@ class Connection:
         if self.hello_timer is not None:
             self.hello_timer.cancel()
         for reply in list(self.inflight.values()):
-            reply.cancel()
+            reply.disconnected()
         self.writable.set()
 
     def upload(self, req):
@@ -243,24 +243,35 @@ class Connection:
         except RequestError as exc:
             self.send({"id": rid, "ok": False, "error": error_body(exc)})
             return
+        record = None
+        if req.get("command_id") is not None:  # exactly once (commands.py)
+            if not self._admit(rid):
+                return
+            reply = Reply(self, rid)
+            try:
+                record = self.daemon.commands.claim(req, reply)
+            except Exception as exc:
+                self.send({"id": rid, "ok": False, "error": error_body(exc)})
+                return
+            if record is None:  # ran before, or runs now: the reply gets its answer
+                if not reply.done:
+                    self.inflight[rid] = reply
+                return
         if kind in ("sync", "conn"):
             try:
                 result = method(self.daemon, req) if kind == "sync" else \
                     method(self.daemon, req, self)
             except Exception as exc:
-                self.send({"id": rid, "ok": False, "error": error_body(exc)})
+                msg = {"id": rid, "ok": False, "error": error_body(exc)}
             else:
-                self.send({"id": rid, "ok": True, "result": result})
+                msg = {"id": rid, "ok": True, "result": result}
+            if record is not None:
+                record.finish(msg)
+            self.send(msg)
             return
-        if rid in self.inflight:
-            self.send({"id": rid, "ok": False, "error": {
-                "type": "BadRequest", "message": "request id %d is already in flight" % rid}})
+        if record is None and not self._admit(rid):
             return
-        if len(self.inflight) >= MAX_IN_FLIGHT:
-            self.send({"id": rid, "ok": False, "error": {
-                "type": "LimitExceeded", "message": "%d requests in flight" % MAX_IN_FLIGHT}})
-            return
-        reply = self.inflight[rid] = Reply(self, rid)
+        reply = self.inflight[rid] = Reply(self, rid, record)
         if kind == "callback":
             try:
                 method(self.daemon, req, reply)
@@ -271,19 +282,42 @@ class Connection:
         task = self.loop.create_task(_answer(reply, method(*args)))
         reply.on_cancel = task.cancel
 
+    def _admit(self, rid):
+        """Whether a request may be in flight now; if not, it is answered why."""
+        if rid in self.inflight:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "BadRequest", "message": "request id %d is already in flight" % rid}})
+            return False
+        if len(self.inflight) >= MAX_IN_FLIGHT:
+            self.send({"id": rid, "ok": False, "error": {
+                "type": "LimitExceeded", "message": "%d requests in flight" % MAX_IN_FLIGHT}})
+            return False
+        return True
+
+    def cancel(self, rid):
+        """Give up request ``rid`` in flight on this connection (the ``cancel`` op): a
+        command is killed, a retry stops waiting; whether it was in flight."""
+        reply = self.inflight.get(rid)
+        if reply is None:
+            return False
+        reply.cancel()
+        return True
+
 
 class Reply:
-    """The answer to one request in flight: events, then exactly one ok or error."""
+    """The answer to one request in flight: events, then exactly one ok or error;
+    ``record``: the command id it answers for (commands.py), which keeps the answer."""
 
-    __slots__ = ("conn", "rid", "on_cancel", "done")
+    __slots__ = ("conn", "rid", "on_cancel", "done", "record")
 
-    def __init__(self, conn, rid):
-        self.conn, self.rid = conn, rid
+    def __init__(self, conn, rid, record=None):
+        self.conn, self.rid, self.record = conn, rid, record
         self.on_cancel = None
         self.done = False
 
     def event(self, name, data):
-        self.conn.send({"id": self.rid, "event": name, "data": data})
+        if not self.done:
+            self.conn.send({"id": self.rid, "event": name, "data": data})
 
     def ok(self, result):
         self._finish({"id": self.rid, "ok": True, "result": result})
@@ -291,7 +325,16 @@ class Reply:
     def fail(self, exc):
         self._finish({"id": self.rid, "ok": False, "error": error_body(exc)})
 
+    def send_final(self, answer):
+        """Answer with ``answer``, a final message without its id (a kept one)."""
+        msg = dict(answer)
+        msg["id"] = self.rid
+        self._finish(msg)
+
     def _finish(self, msg):
+        record, self.record = self.record, None
+        if record is not None:
+            record.finish(msg)
         if not self.done:
             self.done = True
             self.conn.inflight.pop(self.rid, None)
@@ -301,8 +344,21 @@ class Reply:
         if not self.done and self.on_cancel is not None:
             self.on_cancel()
 
+    def disconnected(self):
+        """The client went away. A command with an id goes on (a retry finds its
+        answer); any other request is given up."""
+        if self.record is not None:
+            self.done = True
+            self.conn.inflight.pop(self.rid, None)
+        else:
+            self.cancel()
+
     def abandon(self):
-        """No answer will be sent: the client went away."""
+        """No answer will be sent: the client went away, or gave the request up."""
+        record, self.record = self.record, None
+        if record is not None:  # a retry is told, not left waiting
+            record.finish({"ok": False, "error": {"type": "Cancelled",
+                                                  "message": "the request was cancelled"}})
         self.done = True
         self.conn.inflight.pop(self.rid, None)
 

@@ -9,6 +9,7 @@ import time
 import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 import _socket            # likewise socket.py
 
+from .commands import Commands
 from .connection import Connection, refuse
 from .fields import RequestError, bad_request, number_field
 from .loop import Loop, resolve_once, wait_all
@@ -16,6 +17,7 @@ from .ops.exec import ExecOps
 from .ops.files import FileOps
 from .ops.procs import ProcessOps
 from .ops.sessions import SessionOps
+from .ops.terminals import TerminalOps
 from .spawn import (
     HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, signal_tree)
 from .wire import (
@@ -42,7 +44,7 @@ def oom_kills(path):
     return None
 
 
-class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
+class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
     """The daemon's state, its lifecycle and the ops of the daemon itself (ping, info,
     shutdown); the other ops come from the mixins of ops/."""
 
@@ -65,6 +67,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
         self.children = None
         self.sessions = {}
         self.procs = {}
+        self.terminals = {}
+        self.commands = Commands()  # commands that carried an id (exactly once)
         self.uploads = 0  # open on all connections (each holds its own)
         self.next_upload = 1
         self.server = None
@@ -289,6 +293,10 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
             "protocol": PROTOCOL_VERSION,
         }
 
+    def op_cancel(self, req, conn):
+        """Give up a request in flight on this connection: its command is killed."""
+        return {"cancelled": conn.cancel(req["target"])}
+
     async def op_shutdown(self, req):
         grace = number_field(req, "kill_grace_s", DEFAULT_KILL_GRACE_S, 0, 60)
         self.loop.call_soon(self.request_stop, grace)
@@ -318,6 +326,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps):
             left = await self._kill_the_rest()
             self.sessions.clear()
             self.procs.clear()
+            await self.close_terminals()
+            self.commands.clear()
             self.next_upload = 1
             # an op's thread of the last lease still at work would go on in the next
             # tenant's root; what a tenant may set on this process would stay with it

@@ -334,21 +334,48 @@ class Ring:
                 "eof": self.eof and offset + len(chunk) >= len(self.data)}
 
 
+STREAM_PIPE_BYTES = 1024 * 1024  # the pipes of a streamed command's output
+
+
+def grow_pipe(fd, size):
+    """Ask for a pipe buffer of ``size`` bytes (an unprivileged process gets up to
+    /proc/sys/fs/pipe-max-size); the size it has."""
+    try:
+        import fcntl
+        return fcntl.fcntl(fd, F_SETPIPE_SZ, size)
+    except (OSError, ImportError):
+        return 65536
+
+
+F_SETPIPE_SZ = 1031  # Linux's; fcntl names it from Python 3.10
+
+
 class PipeReader:
-    """Reads a non-blocking pipe and hands each chunk to ``sink``."""
+    """Reads a non-blocking pipe and hands each chunk to ``sink``; ``pause`` stops
+    reading until ``resume``."""
 
-    __slots__ = ("loop", "fd", "sink", "closed")
+    __slots__ = ("loop", "fd", "sink", "closed", "paused", "chunk")
 
-    def __init__(self, loop, fd, sink):
-        self.loop, self.fd, self.sink = loop, fd, sink
-        self.closed = False
+    def __init__(self, loop, fd, sink, chunk=65536):
+        self.loop, self.fd, self.sink, self.chunk = loop, fd, sink, chunk
+        self.closed = self.paused = False
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._ready)
+
+    def pause(self):
+        if not self.closed and not self.paused:
+            self.paused = True
+            self.loop.remove_reader(self.fd)
+
+    def resume(self):
+        if not self.closed and self.paused:
+            self.paused = False
+            self.loop.add_reader(self.fd, self._ready)
 
     def _ready(self):
         """Hand one chunk to ``sink``; False when the pipe has nothing now, or ended."""
         try:
-            chunk = os.read(self.fd, 65536)
+            chunk = os.read(self.fd, self.chunk)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
@@ -362,13 +389,14 @@ class PipeReader:
     def drain(self, max_reads=256):
         """Read what is already in the pipe (the writer has exited) without waiting."""
         for _ in range(max_reads):
-            if self.closed or not self._ready():
+            if self.closed or self.paused or not self._ready():
                 return
 
     def close(self):
         if not self.closed:
             self.closed = True
-            self.loop.remove_reader(self.fd)
+            if not self.paused:
+                self.loop.remove_reader(self.fd)
             os.close(self.fd)
 
 

@@ -30,6 +30,13 @@ DEFAULT_KILL_GRACE_S = 2.0            # TERM, then KILL after this long
 KILL_SETTLE_S = 2.0                   # how long to watch killed processes disappear
 PROC_RING_BYTES = 1024 * 1024         # per-stream ring buffer of a background process
 MAX_FINISHED_PROCS = 256              # exited background processes remembered
+MAX_COMMAND_ID = 256                  # characters of a command id
+MAX_RUNNING_COMMANDS = 4096           # commands with an id running at once
+MAX_KEPT_ANSWERS = 1024               # answers of finished commands with an id kept ...
+MAX_KEPT_ANSWER_BYTES = 64 * 1024 * 1024  # ... holding at most this much output
+MAX_REMEMBERED_IDS = 65536            # ids of older commands, whose retry is refused
+MAX_TERMINALS = 64                    # terminals open at once
+TERMINAL_RING_BYTES = 1024 * 1024     # output a terminal keeps
 CHUNK = 1024 * 1024                   # tar stream chunk size
 _HEADER = struct.Struct(">I")
 
@@ -365,23 +372,37 @@ OPS = (
                                   "token": optional(str), "admin": optional(str)}),
     # one-shot commands (ops/exec.py)
     Op("exec", "callback", True, dict(_COMMAND, timeout=optional(*_NUMBER), **_GRACE,
-                                      max_output=optional(*_NUMBER), stream=optional(bool))),
+                                      max_output=optional(*_NUMBER), stream=optional(bool),
+                                      command_id=optional(str))),
+    # a request in flight on this connection, given up (connection.py)
+    Op("cancel", "conn", False, {"target": required(int)}),
     # shell sessions (ops/sessions.py)
     Op("session_open", "async", True, {"session": optional(str), "shell": optional(str),
                                        "cwd": optional(str), "env": optional(dict)}),
     Op("run", "callback", True, {"session": optional(str), "cmd": required(str),
                                  "timeout": optional(*_NUMBER), "max_output": optional(*_NUMBER),
-                                 **_GRACE}),
+                                 "command_id": optional(str), **_GRACE}),
     Op("session_close", "async", True, dict({"session": optional(str)}, **_GRACE)),
     Op("session_list", "sync", True, {}),
     # background processes (ops/procs.py)
-    Op("spawn", "sync", True, dict(_COMMAND, buffer_bytes=optional(*_NUMBER))),
+    Op("spawn", "sync", True, dict(_COMMAND, buffer_bytes=optional(*_NUMBER),
+                                   command_id=optional(str))),
     Op("proc_status", "sync", True, _PID),
     Op("proc_list", "sync", True, {}),
     Op("proc_output", "sync", True, dict(_PID, stream=optional(str), cursor=optional(int),
                                          max_bytes=optional(*_NUMBER))),
     Op("proc_wait", "async", True, dict(_PID, timeout=optional(*_NUMBER))),
     Op("proc_signal", "sync", True, dict(_PID, signal=optional(int, str), group=optional(bool))),
+    # terminals (ops/terminals.py)
+    Op("pty_open", "sync", True, dict(_COMMAND, cmd=optional(str, list), cols=optional(int),
+                                      rows=optional(int), buffer_bytes=optional(*_NUMBER))),
+    Op("pty_write", "async", True, {"pty": required(int), "data": required(bytes, str)}),
+    Op("pty_read", "async", True, {"pty": required(int), "cursor": optional(int),
+                                   "max_bytes": optional(*_NUMBER), "timeout": optional(*_NUMBER)}),
+    Op("pty_resize", "sync", True, {"pty": required(int), "cols": required(int),
+                                    "rows": required(int)}),
+    Op("pty_close", "async", True, dict({"pty": required(int)}, **_GRACE)),
+    Op("pty_list", "sync", True, {}),
     # files and archives (ops/files.py)
     Op("read_file", "sync", True, dict(_PATH, offset=optional(int), length=optional(int))),
     Op("write_file", "sync", True, dict(_PATH, data=required(bytes, str), mode=optional(int),

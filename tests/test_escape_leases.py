@@ -86,6 +86,34 @@ def test_a_released_lease_cannot_reach_the_next_tenant(request, provider, busybo
         sandman.shutdown_pool(pool)
 
 
+def test_the_next_tenant_gets_nothing_of_the_last_ones_commands_or_terminals(provider,
+                                                                           busybox_rootfs):
+    """Command ids, their kept answers, terminals and background processes belong to a
+    lease: the next tenant of the same sandbox who sends tenant A's command id runs
+    its own command (it is not handed A's output), and finds none of A's terminals."""
+    import sandman_ray as sandman
+    image = "dir:%s" % busybox_rootfs
+    pool = lease_pool()
+    cmd = "cat /tmp/mark 2>/dev/null; echo end"
+    try:
+        with sandman.sandbox(image, pool=pool) as a:
+            a.write_file("/tmp/mark", b"secret of A\n")
+            assert a.exec(cmd, command_id="job-1").stdout == b"secret of A\nend\n"
+            term = a.pty_open(["sh"], stdin=b"echo typed by A\n")
+            a.spawn("sleep 1000", command_id="bg-1")
+            first = a.sandbox_id()
+        with sandman.sandbox(image, pool=pool) as b:
+            assert b.sandbox_id() == first  # the same sandbox, renewed
+            assert b.exec(cmd, command_id="job-1").stdout == b"end\n"
+            assert b.pty_list() == []
+            assert b.proc_list() == []
+            with pytest.raises(sandman.DaemonError) as err:
+                b.pty_read(term["pty"])
+            assert err.value.type == "TerminalNotFound"
+    finally:
+        sandman.shutdown_pool(pool)
+
+
 @pytest.mark.parametrize("limit", [{"ttl_s": 1.0}, {"idle_timeout_s": 10.0}])
 def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider, busybox_rootfs,
                                                                        limit):

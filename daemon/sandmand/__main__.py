@@ -31,7 +31,7 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     __package__, __spec__ = "sandmand", None
 
-from .daemon import OOM_COUNTERS, Daemon, oom_kills  # noqa: E402
+from .daemon import OOM_COUNTERS, Daemon, OomCounter, oom_kills  # noqa: E402
 from .wire import DEFAULT_OUTPUT_CAP, HELLO_TIMEOUT_S  # noqa: E402
 
 
@@ -102,7 +102,8 @@ def main(argv=None):
         uid, _, gid = opts["user"].partition(":")
         daemon.user = (int(uid), int(gid or uid))
     counters = [opts["oom_counter"]] if opts["oom_counter"] else OOM_COUNTERS
-    daemon.oom_counter = next((c for c in counters if oom_kills(c) is not None), None)
+    counter = next((c for c in counters if oom_kills(c) is not None), None)
+    daemon.oom_counter = None if counter is None else OomCounter(counter)
     daemon.run(opts["listen"], ready_fd)
 
 

@@ -36,12 +36,41 @@ def oom_kills(path):
         return None
     try:
         with open(path, "rb") as fh:
-            for line in fh.read(4096).splitlines():
-                if line.startswith(b"oom_kill "):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+            return _oom_count(fh.read(4096))
+    except OSError:
+        return None
+
+
+def _oom_count(text):
+    """The ``oom_kill N`` line's count (not ``oom_kill_disable``, ``oom_group_kill``)."""
+    at = text.find(b"\noom_kill ") + 1 if not text.startswith(b"oom_kill ") else 0
+    if at == 0 and not text.startswith(b"oom_kill "):
+        return None
+    end = text.find(b"\n", at)
+    try:
+        return int(text[at + 9:end if end >= 0 else len(text)])
+    except ValueError:
+        return None
+
+
+class OomCounter:
+    """The sandbox's OOM kill counter, kept open and read again from its start for each
+    command (an open and a close per read cost ~25 us of a ~0.9 ms ``exec true``)."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None
+
+    def count(self):
+        if self.fd is not None:
+            try:
+                return _oom_count(os.pread(self.fd, 4096, 0))
+            except OSError:
+                pass
+        return oom_kills(self.path)
 
 
 class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
@@ -79,7 +108,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         self.applied_limits = {}
         self.user = None  # (uid, gid) to drop to once listening
         self.socket_mode = 0o600
-        self.oom_counter = None  # a file with the sandbox's OOM kill count, if any
+        self.oom_counter = None  # an OomCounter: the sandbox's OOM kill count, if any
         self.recv_buffer = bytearray(262144)
         self.recv_view = memoryview(self.recv_buffer)
 
@@ -376,7 +405,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
     # ---- the sandbox's OOM kill counter
     def oom_count(self):
         """The sandbox's OOM kill count now (None without a counter)."""
-        return oom_kills(self.oom_counter)
+        return None if self.oom_counter is None else self.oom_counter.count()
 
     def oom_killed_since(self, before):
         """Whether the kernel's OOM killer killed a process of the sandbox since the count
@@ -384,7 +413,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         sandbox killed meanwhile (the counter is the sandbox's, not the command's)."""
         if before is None:
             return False
-        after = oom_kills(self.oom_counter)
+        after = self.oom_count()
         return after is not None and after > before
 
 

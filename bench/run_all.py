@@ -11,7 +11,8 @@ On a local Ray with the LocalProvider:
          actor call, the same bare actor asking the least a daemon can do
          (``bench/minimal_daemon.py``) to run ``true`` (what any design that runs the
          command in another process costs over the floor), the daemon client straight
-         to a sandbox, and SWE-ReX's
+         to a sandbox, the handle's direct calls (``sb.exec("true")``, ``sb.run("true")``:
+         the caller's own connection to the daemon), and SWE-ReX's
          ``swerex-remote`` server (a host process, no sandbox) through its
          ``RemoteRuntime``: ``execute`` and ``run_in_session``. Interleaved rounds.
   burst  N acquires from M client processes at once, cold (no sandbox yet) and warm (N
@@ -31,12 +32,15 @@ On a local Ray with the LocalProvider:
          the clock starts; the unpooled one binds its provider, whose agent starts at
          its first create.)
   cycle  one client on a warm pool, one lease cycle after another: acquire, a first
-         ``exec true`` (a direct call; every other cycle through the host instead),
+         ``exec true`` (a direct call; every other cycle through the host instead), the
+         next call on the same path (a steady one: the first call's ratio to it),
          release, and the whole cycle, p50 and p99, also in bare actor calls (timed back
          to back, in rounds between the rounds of cycles), and the PoolActor's CPU per
          cycle.
   reuse  E episodes on K sandboxes (K at a time; an episode runs one command):
          release and acquire again (a reset) versus a new sandbox per episode.
+  stream MB/s of ``cat`` of a 100 MB file through ``sb.exec_stream``, directly and
+         through ``.remote()``, and the daemon's RSS growth while a reader stops.
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
   isolation  what each isolation level costs, one after the other in this run
          (``bench/local.py``'s measure): create -> first exec (one at a time) and
@@ -56,6 +60,7 @@ import secrets
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +73,7 @@ from typing import Callable, Dict, List
 import ray
 
 import sandman_ray as sandman
-from sandman_ray import AsyncDaemonClient, DaemonClient
+from sandman_ray import AsyncDaemonClient, DaemonClient, ExecResult
 from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
@@ -195,6 +200,8 @@ def noop(samples: int, rounds: int = 10) -> dict:
                 lambda: ray.get(bare.minimal_daemon_true.remote(minimal_addr)),
             "daemon client: exec true": lambda: client.exec("true"),
             "daemon client: session true": lambda: client.run("true"),
+            "direct: exec true": lambda: sb.exec("true"),
+            "direct: session true": lambda: sb.run("true"),
             "SWE-ReX: execute true": swerex.execute,
             "SWE-ReX: run_in_session true": swerex.run_in_session,
         }
@@ -226,6 +233,11 @@ def noop(samples: int, rounds: int = 10) -> dict:
         "exec / floor": p50["public API: exec true"] / p50["bare actor spawning true (floor)"],
         "minimal daemon / floor": p50["bare actor -> minimal daemon: exec true"]
         / p50["bare actor spawning true (floor)"],
+        "exec / minimal daemon": p50["public API: exec true"]
+        / p50["bare actor -> minimal daemon: exec true"],
+        "direct exec / daemon client": p50["direct: exec true"] / p50["daemon client: exec true"],
+        "direct session / daemon client": p50["direct: session true"]
+        / p50["daemon client: session true"],
         "SWE-ReX execute / exec": p50["SWE-ReX: execute true"] / p50["public API: exec true"],
         "SWE-ReX run_in_session / session": p50["SWE-ReX: run_in_session true"]
         / p50["public API: session true"]}
@@ -506,6 +518,8 @@ CYCLE_STEPS = ("acquire", "first exec", "release", "whole cycle")
 # the same cycles with the first exec through the handle host (``.remote()``), taking
 # turns with those above
 REMOTE_STEPS = ("first exec, .remote()", "whole cycle, .remote()")
+# the call after the first, on each path: a steady call on the same lease
+SECOND_STEPS = ("second exec", "second exec, .remote()")
 
 
 def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
@@ -519,7 +533,7 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
     wait_for(lambda: states(pool)["ready"] >= warm, "%d warm sandboxes" % warm)
     bare = Bare.remote()
     times: Dict[str, List[float]] = {name: [] for name in
-                                     CYCLE_STEPS + REMOTE_STEPS + ("bare call",)}
+                                     CYCLE_STEPS + REMOTE_STEPS + SECOND_STEPS + ("bare call",)}
     pid = ray.get(sandman.get_pool(pool).status.remote())["pid"]
     try:
         sandman.release(sandman.acquire(image, pool=pool, timeout=120))  # the host starts
@@ -537,13 +551,20 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
                 else:
                     assert ray.get(sb.exec.remote("true")).exit_code == 0
                 t2 = time.perf_counter()
-                sandman.release(sb)
+                if i % 2 == 0:  # the next call on the lease: a steady one
+                    assert sb.exec("true").exit_code == 0
+                else:
+                    assert ray.get(sb.exec.remote("true")).exit_code == 0
                 t3 = time.perf_counter()
+                sandman.release(sb)
+                t4 = time.perf_counter()
+                times[SECOND_STEPS[i % 2]].append(t3 - t2)
+                whole = (t4 - t0) - (t3 - t2)  # the cycle without the second call
                 if i % 2 == 0:
-                    for name, span in zip(CYCLE_STEPS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                    for name, span in zip(CYCLE_STEPS, (t1 - t0, t2 - t1, t4 - t3, whole)):
                         times[name].append(span)
                 else:
-                    for name, span in zip(REMOTE_STEPS, (t2 - t1, t3 - t0)):
+                    for name, span in zip(REMOTE_STEPS, (t2 - t1, whole)):
                         times[name].append(span)
             for _ in range(50):
                 t = time.perf_counter()
@@ -559,7 +580,12 @@ def cycle(cycles: int, image: str, warm: int = 8, rounds: int = 10) -> dict:
     out["pool_cpu_ms_per_cycle"] = pool_cpu
     call = out["bare call"]["p50_ms"]
     out["in bare calls"] = {"%s %s" % (name, q): out[name]["%s_ms" % q] / call
-                            for name in CYCLE_STEPS + REMOTE_STEPS for q in ("p50", "p99")}
+                            for name in CYCLE_STEPS + REMOTE_STEPS + SECOND_STEPS
+                            for q in ("p50", "p99")}
+    out["first / second call"] = {
+        "direct": out["first exec"]["p50_ms"] / out["second exec"]["p50_ms"],
+        ".remote()": out["first exec, .remote()"]["p50_ms"]
+        / out["second exec, .remote()"]["p50_ms"]}
     return out
 
 
@@ -569,13 +595,79 @@ def _cycle_rows(c: dict) -> List[tuple]:
              "%.2f ms" % c[name]["p50_ms"],
              "p99 %.2f ms; %.1f / %.1f bare calls" % (c[name]["p99_ms"], calls[name + " p50"],
                                                      calls[name + " p99"]))
-            for name in CYCLE_STEPS + REMOTE_STEPS]
+            for name in CYCLE_STEPS + REMOTE_STEPS + SECOND_STEPS]
+    for path, ratio in c["first / second call"].items():
+        rows.append(("cycle", "first call on a new lease / the next, %s" % path,
+                     "%.2fx" % ratio, "target <= 1.5x"))
     rows.append(("cycle", "bare actor call (rounds between the cycles)",
                  "%.2f ms" % c["bare call"]["p50_ms"],
                  "p99 %.2f ms" % c["bare call"]["p99_ms"]))
     rows.append(("cycle", "PoolActor CPU per cycle (lease, release, reset)",
                  "%.2f ms" % c["pool_cpu_ms_per_cycle"], ""))
     return rows
+
+
+# ---------------------------------------------------------------------- stream
+STREAM_MB = 100
+
+
+def stream(image: str, rounds: int = 3) -> dict:
+    """MB/s of ``cat`` of a 100 MB file in the sandbox through ``sb.exec_stream``,
+    directly and through ``.remote()`` (a Ray streaming generator), in turns; and how
+    much the daemon's RSS grows while a reader stops reading (on each path: the
+    command's writes stall, nothing piles up)."""
+    pool = "bench-stream-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=provider(), warm={image: 1})
+    rates: Dict[str, List[float]] = {"direct": [], ".remote()": []}
+    growth: Dict[str, float] = {}
+    try:
+        with sandman.sandbox(image, pool=pool, timeout=120) as sb:
+            assert sb.exec("head -c %d /dev/zero > /tmp/big" % (STREAM_MB << 20)).ok
+            paths = {"direct": lambda: sb.exec_stream("cat /tmp/big"),
+                     ".remote()": lambda: (ray.get(ref) for ref in
+                                           sb.exec_stream.remote("cat /tmp/big"))}
+            for _ in range(rounds):
+                for name, start in paths.items():
+                    t, got = time.perf_counter(), 0
+                    for item in start():
+                        if not isinstance(item, ExecResult):
+                            got += len(item[1])
+                    assert got == STREAM_MB << 20, got
+                    rates[name].append(got / 1e6 / (time.perf_counter() - t))
+            for name in paths:
+                growth[name] = _stalled_growth_mb(sb, name)
+    finally:
+        sandman.shutdown_pool(pool)
+    return {"mb_per_s": {name: statistics.median(v) for name, v in rates.items()},
+            "rounds_mb_per_s": rates, "rss_growth_mb_reader_stopped": growth}
+
+
+def _daemon_rss_kib(sb) -> int:
+    """The RSS of the sandbox's daemon (PID 1 in its pid namespace)."""
+    status = sb.read_file("/proc/1/status").decode()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def _stalled_growth_mb(sb, path: str) -> float:
+    """Start a stream on ``path``, read two chunks, stop reading; once ``cat`` writes no
+    more (its written bytes unchanged over a second), how much the daemon grew (MB)."""
+    before = _daemon_rss_kib(sb)
+    if path == "direct":
+        items = sb.exec_stream("cat /tmp/big")
+        next(items), next(items)
+    else:
+        items = sb.exec_stream.remote("cat /tmp/big")
+        ray.get(next(items)), ray.get(next(items))
+    pid = int(sb.exec("pidof cat").stdout.split()[0])
+    written, still = -1, 0
+    while still < 10:
+        now = int(sb.read_file("/proc/%d/io" % pid).split(b"wchar:")[1].split()[0])
+        still = still + 1 if now == written else 0
+        written = now
+        time.sleep(0.1)  # a pace to look at the writer, not a wait for an event
+    grown = (_daemon_rss_kib(sb) - before) / 1024
+    items.close() if path == "direct" else items.cancel()
+    return grown
 
 
 # ---------------------------------------------------------------------- cost
@@ -662,6 +754,16 @@ def table(results: dict, args) -> List[tuple]:
         rows.append(("reuse", "%s: %d episodes on %d sandboxes" % (name, row["episodes"], args.k),
                      "%.1f episodes/s" % row["episodes_per_s"],
                      "p50 %.1f ms, p99 %.1f ms" % (row["p50_ms"], row["p99_ms"])))
+    if "stream" in results:
+        st = results["stream"]
+        for name, rate in st["mb_per_s"].items():
+            rows.append(("stream", "cat of %d MB through exec_stream, %s" % (STREAM_MB, name),
+                         "%.0f MB/s" % rate, "target >= %d MB/s; rounds %s" % (
+                             200 if name == "direct" else 50,
+                             ", ".join("%.0f" % r for r in st["rounds_mb_per_s"][name]))))
+        for name, grown in st["rss_growth_mb_reader_stopped"].items():
+            rows.append(("stream", "daemon RSS growth while the reader stops, %s" % name,
+                         "%.1f MB" % grown, "target < 32 MB"))
     if "isolation" in results:
         rows += _isolation_rows(results["isolation"])
     if "cost" in results:
@@ -767,15 +869,21 @@ def _noop_rows(noop: dict) -> List[tuple]:
     for name, row in noop.items():
         if name != "ratios":
             rows.append(("noop", name, "%.3f ms" % row["p50_ms"], "p99 %.3f ms" % row["p99_ms"]))
-    r = noop["ratios"]
-    rows.append(("noop", "exec true: public API / floor", "%.2fx" % r["exec / floor"],
-                 "target <= 1.25x"))
-    rows.append(("noop", "exec true: bare actor -> minimal daemon / floor",
-                 "%.2fx" % r["minimal daemon / floor"], "any daemon's least"))
-    rows.append(("noop", "SWE-ReX execute / public API exec",
-                 "%.1fx" % r["SWE-ReX execute / exec"], "target >= 1.5x"))
-    rows.append(("noop", "SWE-ReX run_in_session / public API session",
-                 "%.1fx" % r["SWE-ReX run_in_session / session"], "target >= 50x"))
+    ratios = (("exec true: public API / floor", "exec / floor", "%.2fx", "target <= 1.25x"),
+              ("exec true: bare actor -> minimal daemon / floor", "minimal daemon / floor",
+               "%.2fx", "any daemon's least"),
+              ("exec true: public API / bare actor -> minimal daemon", "exec / minimal daemon",
+               "%.2fx", "target <= 1.10x"),
+              ("exec true: direct / daemon client", "direct exec / daemon client", "%.2fx",
+               "target <= 1.10x"),
+              ("session true: direct / daemon client", "direct session / daemon client",
+               "%.2fx", "target <= 1.15x"),
+              ("SWE-ReX execute / public API exec", "SWE-ReX execute / exec", "%.1fx",
+               "target >= 1.5x"),
+              ("SWE-ReX run_in_session / public API session",
+               "SWE-ReX run_in_session / session", "%.1fx", "target >= 50x"))
+    for label, key, fmt, note in ratios:
+        rows.append(("noop", label, fmt % noop["ratios"][key], note))
     return rows
 
 
@@ -819,7 +927,7 @@ def main(argv=None) -> int:
     parser.add_argument("--episodes", type=int, default=200, help="reuse: episodes")
     parser.add_argument("--k", type=int, default=4, help="reuse: sandboxes at a time")
     parser.add_argument("--cycles", type=int, default=200, help="cycle: lease cycles")
-    parser.add_argument("--sections", default="noop,burst,cycle,reuse,cost,isolation")
+    parser.add_argument("--sections", default="noop,burst,cycle,reuse,stream,cost,isolation")
     parser.add_argument("--creates", type=int, default=30,
                         help="isolation: creates one at a time per level")
     args = parser.parse_args(argv)
@@ -837,6 +945,8 @@ def main(argv=None) -> int:
             results["cycle"] = cycle(args.cycles, image)
         if "reuse" in sections:
             results["reuse"] = reuse(args.episodes, args.k, image)
+        if "stream" in sections:
+            results["stream"] = stream(image)
         if "cost" in sections:
             results["cost"] = cost(image)
         if "isolation" in sections:

@@ -62,7 +62,6 @@ class Direct:
     # ---- blocking
     def call(self, op: str, args: tuple, kwargs: dict):
         client, ok = self._client(), False
-        self._touch()
         try:
             result = getattr(client, op)(*args, **kwargs)
             ok = True
@@ -82,7 +81,6 @@ class Direct:
         """A streaming op (``exec_stream``) on a connection of its own until it ends: a
         generator of its items. Unreachable is raised here, before anything is sent."""
         client = self._client()
-        self._touch()
         return self._streamed(client, op, args, kwargs)
 
     def _streamed(self, client: DaemonClient, op: str, args: tuple, kwargs: dict):
@@ -104,14 +102,24 @@ class Direct:
             self._give_back(client, ok)
 
     def _client(self) -> DaemonClient:
+        """An idle connection, or a new one; the pool is touched now and then."""
+        now = time.monotonic()
         with self.lock:
             self._check_open()
+            touch = now - self.touched > TOUCH_EVERY_S
+            if touch:
+                self.touched = now
             client = self.idle.pop() if self.idle else None
             if client is not None:
                 self.busy.add(client)
-                return client
+        if touch:
+            self._tell_touched()
+        if client is not None:
+            return client
         try:
-            client = DaemonClient(self.address, self.token)
+            # the hello goes with the first call: a new lease's first call costs one
+            # round trip to the daemon, as the next does
+            client = DaemonClient(self.address, self.token, hello_first=False)
         except ConnectionLost as exc:
             if not self.reached:
                 raise Unreachable(str(exc)) from exc
@@ -290,6 +298,9 @@ class Direct:
             if now - self.touched <= TOUCH_EVERY_S:
                 return
             self.touched = now
+        self._tell_touched()
+
+    def _tell_touched(self) -> None:
         try:
             self.pool.touch.remote(self.lease_id, self.holder)
         except Exception:  # noqa: BLE001 - the pool is gone: the call says so itself

@@ -153,7 +153,9 @@ class _HandleHost:
             if lease.lease_id in self.held or lease.lease_id in self.ended or self.restarted:
                 return False
         try:
-            client = self._connected(lease, self.name)
+            # its hello's answer comes with the first call's: the lease is held here
+            # one round trip sooner, for a first call that may already wait for it
+            client = self._connected(lease, self.name, hello_first=False)
         except SandboxLost as exc:
             with self.lock:
                 self.ended.note(lease.lease_id, str(exc))
@@ -194,11 +196,11 @@ class _HandleHost:
         self._end(held)
         self._tell_pool(pool, "cancel", lease_id, self.name)
 
-    def _connected(self, lease, holder: Optional[str]) -> DaemonClient:
+    def _connected(self, lease, holder: Optional[str], hello_first: bool = True) -> DaemonClient:
         """A connection to the lease's daemon; a sandbox found gone is given back to the
         pool (by ``holder``, the host that holds it, if one does): SandboxLost."""
         try:
-            return DaemonClient(lease.address, lease.token)
+            return DaemonClient(lease.address, lease.token, hello_first=hello_first)
         except (ConnectionLost, AuthError) as exc:  # gone, or started afresh meanwhile
             self._tell_pool(lease.pool, "release", lease.lease_id, holder)
             raise SandboxLost("sandbox %s is gone: %s" % (lease.sandbox_id, exc)) from exc

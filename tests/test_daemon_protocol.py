@@ -247,3 +247,18 @@ def test_out_of_file_descriptors_refuses_at_once_and_does_not_spin(tmp_path):
             return False  # it has not seen every closed connection yet
     wait_until(serves, timeout=10, what="the daemon to serve again")
     d.stop()
+
+
+def test_a_hello_sent_with_the_first_call_still_guards_it(daemon, tmp_path):
+    """``hello_first=False`` sends the hello and the first request together: a wrong
+    token fails that call with AuthError and the daemon runs nothing of it; the right
+    one answers the call as usual."""
+    marker = tmp_path / "ran"
+    wrong = DaemonClient(daemon.address, "not-the-token", hello_first=False)
+    with pytest.raises(AuthError):
+        wrong.exec(["touch", str(marker)])
+    wrong.close()
+    assert not marker.exists()
+    with DaemonClient(daemon.address, daemon.token, hello_first=False) as right:
+        assert right.exec(["touch", str(marker)]).ok
+    assert marker.exists()

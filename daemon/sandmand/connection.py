@@ -2,6 +2,7 @@
 the hello, and the dispatch of every later request to the op that answers it."""
 
 import os
+import struct
 import sys
 
 try:
@@ -13,9 +14,12 @@ from .fields import RequestError, check_fields, error_body
 from .loop import CancelledError, Event
 from .wire import (
     ADMIN_OPS, HELLO_MAX_FRAME, MAX_FRAME, MAX_IN_FLIGHT, PROTOCOL_VERSION, CodecError, FrameReader,
-    encode_frame, unpack)
+    encode_frame, pack, unpack)
 
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # queued reply bytes past which we stop reading
+FLUSH_BUFFERS = 64  # queued buffers handed to one sendmsg
+INLINE_EVENT_BYTES = 64 * 1024  # events with less data are encoded whole
+_BIN32 = struct.Struct(">I")  # a frame's length, and a bin32's
 
 
 def refuse(sock, kind, message):
@@ -37,7 +41,8 @@ class Connection:
         self.daemon, self.loop, self.sock = daemon, daemon.loop, sock
         self.fd = sock.fileno()
         self.reader = FrameReader(HELLO_MAX_FRAME)  # a client proves itself first
-        self.out = bytearray()
+        self.out = []  # buffers queued to send, oldest first (bytes or memoryviews)
+        self.queued = 0  # the bytes they hold
         self.authed = False
         self.admin = False  # said hello with the launcher's admin token
         self.uploads = {}  # upload id -> (target path, spool file)
@@ -68,41 +73,59 @@ class Connection:
         else:
             self.close()
 
-    def write(self, data):
+    def write(self, *parts):
+        """Send the buffers of one frame, queueing what the socket does not take now
+        (no copy: a queued buffer is referenced, and must not change)."""
         if self.closed:
             return
         if not self.out:
             try:
-                sent = self.sock.send(data)
+                sent = self.sock.send(parts[0]) if len(parts) == 1 else self.sock.sendmsg(parts)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError:
                 self.close()
                 return
-            if sent == len(data):
+            if sent == sum(len(part) for part in parts):
                 return
-            data = memoryview(data)[sent:]
             self.loop.add_writer(self.fd, self._flush)
-        self.out += data
-        if len(self.out) > WRITE_HIGH_WATER and self.writable.is_set():
+        else:
+            sent = 0
+        for part in parts:
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            self.out.append(memoryview(part)[sent:] if sent else part)
+            self.queued += len(part) - sent
+            sent = 0
+        if self.queued > WRITE_HIGH_WATER and self.writable.is_set():
             self.writable.clear()
             self.loop.remove_reader(self.fd)
 
     def _flush(self):
         try:
-            sent = self.sock.send(self.out)
+            sent = self.sock.sendmsg(self.out[:FLUSH_BUFFERS])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self.close()
             return
-        del self.out[:sent]
+        self.queued -= sent
+        done = 0
+        for part in self.out:
+            if sent < len(part):
+                if sent:
+                    self.out[done] = memoryview(part)[sent:]
+                break
+            sent -= len(part)
+            done += 1
+        del self.out[:done]
         if not self.out:
             self.loop.remove_writer(self.fd)
             if self.closing:
                 self.close()
                 return
-        if len(self.out) <= WRITE_HIGH_WATER // 2 and not self.writable.is_set():
+        if self.queued <= WRITE_HIGH_WATER // 2 and not self.writable.is_set():
             self.writable.set()
             if not self.closing:
                 self.loop.add_reader(self.fd, self._readable)
@@ -166,6 +189,18 @@ class Connection:
                 "type": "ReplyTooLarge", "message": "the reply of %d bytes exceeds the frame "
                 "limit of %d; ask for less" % (len(frame) - 4, MAX_FRAME)}})
         self.write(frame)
+
+    def send_event(self, rid, name, data):
+        """``{"id": rid, "event": name, "data": data}``; large data is sent as it is,
+        after the frame's header and the map's other fields (not copied into a frame)."""
+        if len(data) < INLINE_EVENT_BYTES:
+            self.send({"id": rid, "event": name, "data": data})
+            return
+        if self.closing:
+            return
+        head = pack({"id": rid, "event": name, "data": b""})[:-2]  # without bin8 of 0
+        head += b"\xc6" + _BIN32.pack(len(data))
+        self.write(_BIN32.pack(len(head) + len(data)) + head, data)
 
     def data_received(self, data):
         try:
@@ -317,7 +352,7 @@ class Reply:
 
     def event(self, name, data):
         if not self.done:
-            self.conn.send({"id": self.rid, "event": name, "data": data})
+            self.conn.send_event(self.rid, name, data)
 
     def ok(self, result):
         self._finish({"id": self.rid, "ok": True, "result": result})

@@ -27,7 +27,7 @@ _EXPORTS = {
     "sandman_ray.providers.kubernetes": ("KubernetesProvider",),
     "sandman_ray.providers.local": ("LocalProvider",),
     "sandman_ray.handle": ("SandboxHandle",),
-    "sandman_ray.spec": ("PoolConfig", "SandboxSpec"),
+    "sandman_ray.spec": ("ANYWHERE", "PoolConfig", "SandboxSpec"),
 }
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -17,7 +17,7 @@ from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.reconciler import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
-from sandman_ray.spec import DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
+from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
 SpecLike = Union[SandboxSpec, str]
 BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn out gone
@@ -164,15 +164,22 @@ def prepare(pool: str = "default") -> None:
 
 
 def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-            client: Optional[str] = None) -> SandboxHandle:
+            client: Optional[str] = None, node: Optional[str] = None) -> SandboxHandle:
     """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
     ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds.
+
+    ``node``: where the sandbox runs. By default on this process's Ray node when one is
+    ready or can be created there (a sandbox ready on another node is lent rather than
+    waited for), so that direct calls take its unix socket; ``"anywhere"``
+    (``sandman_ray.ANYWHERE``): wherever the provider places it; a Ray node id: on that
+    node only (ValueError for one that is not an alive node of the pool's provider).
 
     One Ray call: the pool lends the sandbox to this process's handle host on this node
     (started meanwhile if this is the first acquire), and hands the host the lease to
     connect. Only a sandbox the host cannot reach (a unix socket on another node)
     takes a second call, to the host there."""
     actor = _pool_for(pool)  # no pool: fails here
+    where = _placement(node)
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
         node = _this_node()
@@ -180,7 +187,7 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
         started = host.started_ref()
         host_died = False
         try:
-            lease = _leased(actor, host, node, pool, spec, client, deadline, lease_id)
+            lease = _leased(actor, host, node, pool, spec, client, deadline, lease_id, where)
             if started is not None:
                 host_died = True  # an error from here on is the host's
                 ray.get(started, timeout=max(deadline - time.monotonic(), 0) + 30)
@@ -194,9 +201,10 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
 
 
 async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-                        client: Optional[str] = None) -> SandboxHandle:
+                        client: Optional[str] = None, node: Optional[str] = None) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     actor = _pool_for(pool)
+    where = _placement(node)
     deadline = time.monotonic() + timeout
     for attempt in range(BIND_ATTEMPTS):
         node = _this_node()
@@ -205,7 +213,7 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
         host_died = False
         try:
             lease = await _leased_async(actor, host, node, pool, spec, client, deadline,
-                                        lease_id)
+                                        lease_id, where)
             if started is not None:
                 host_died = True
                 await asyncio.wait_for(started, max(deadline - time.monotonic(), 0) + 30)
@@ -228,12 +236,18 @@ def _this_node() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _placement(node: Optional[str]) -> Optional[str]:
+    if node is not None and (not isinstance(node, str) or not node):
+        raise ValueError("node must be None, %r or a Ray node id, got %r" % (ANYWHERE, node))
+    return node
+
+
 def _leased(actor, host: _Host, node: str, pool: str, spec: SpecLike,
-            client: Optional[str], deadline: float, lease_id: str):
+            client: Optional[str], deadline: float, lease_id: str, where: Optional[str]):
     """The pool's lease of ``lease_id`` for ``host``, asked again (the same lease id: a
     restarted pool serves it once) while Ray restarts the pool."""
     for attempt in range(POOL_CALL_ATTEMPTS):
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id, where)
         try:
             return unpack_lease(ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30))
         except ray.exceptions.ActorUnavailableError:
@@ -243,9 +257,10 @@ def _leased(actor, host: _Host, node: str, pool: str, spec: SpecLike,
 
 
 async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike,
-                        client: Optional[str], deadline: float, lease_id: str):
+                        client: Optional[str], deadline: float, lease_id: str,
+                        where: Optional[str]):
     for attempt in range(POOL_CALL_ATTEMPTS):
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id)
+        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id, where)
         try:
             return unpack_lease(await asyncio.wait_for(
                 asked, max(deadline - time.monotonic(), 0) + 30))
@@ -260,14 +275,14 @@ def _restart_wait(attempt: int) -> float:
 
 
 def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
-         deadline: float, lease_id: str):
+         deadline: float, lease_id: str, where: Optional[str]):
     """The pool's ``lease`` call for ``host`` (an ObjectRef), under a task name the Ray
     dashboard shows."""
     if not isinstance(spec, str):
         spec = SandboxSpec.of(spec)
     return actor.lease.options(name="sandman:acquire:%s" % pool).remote(pack_lease_request(
         spec, client or _client_id(), max(deadline - time.monotonic(), 0.001), host.name,
-        node, lease_id))
+        node, lease_id, where))
 
 
 def _handle(lease, host: _Host) -> SandboxHandle:
@@ -408,9 +423,10 @@ def _check_released(errors: list) -> None:
 
 
 @contextlib.contextmanager
-def sandbox(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0):
+def sandbox(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
+            node: Optional[str] = None):
     """``with sandman_ray.sandbox() as sb: ray.get(sb.exec.remote("ls"))``"""
-    handle = acquire(spec, pool, timeout)
+    handle = acquire(spec, pool, timeout, node=node)
     try:
         yield handle
     finally:

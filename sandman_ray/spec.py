@@ -57,6 +57,9 @@ def _networks(allow) -> Tuple[str, ...]:
 # with python3, the default image of every spec.
 BUILTIN_IMAGES = ("debian",)
 DEFAULT_IMAGE = "builtin:debian"
+# ``acquire(node=ANYWHERE)``: wherever the provider places the sandbox, not on the
+# caller's node by preference
+ANYWHERE = "anywhere"
 
 
 def parse_image(image: str) -> Tuple[str, str, str]:

@@ -33,8 +33,8 @@ def test_sandboxes_spread_and_handles_follow_them(cluster, busybox_rootfs):
     sandman.create_pool(pool, provider=sandman.LocalProvider(
         state_root="/tmp/sandman-ray-test/cluster-state", cache_root=CACHE))
     try:
-        handles = [sandman.acquire("dir:%s" % busybox_rootfs, pool=pool, timeout=120)
-                   for _ in range(6)]
+        handles = [sandman.acquire("dir:%s" % busybox_rootfs, pool=pool, timeout=120,
+                                   node=sandman.ANYWHERE) for _ in range(6)]
         leased = ray.get(sandman.get_pool(pool).list_sandboxes.remote())
         sandbox_node = {s["sandbox_id"]: s["node_id"] for s in leased}
         used = set()
@@ -45,6 +45,32 @@ def test_sandboxes_spread_and_handles_follow_them(cluster, busybox_rootfs):
             used.add(node)
         assert used == nodes
         for h in handles:
+            sandman.release(h)
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def test_an_acquire_prefers_its_own_node_and_may_ask_for_another(cluster, busybox_rootfs):
+    """By default a sandbox is made (or found) on the caller's node, so that its direct
+    calls take the unix socket; ``node=<id>`` places it on that node, whose host then
+    serves its calls; a node that is not alive is refused by name."""
+    here = ray.get_runtime_context().get_node_id()
+    there = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    pool = "locality-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=sandman.LocalProvider(
+        state_root="/tmp/sandman-ray-test/cluster-state", cache_root=CACHE))
+    image = "dir:%s" % busybox_rootfs
+    try:
+        local = [sandman.acquire(image, pool=pool, timeout=120) for _ in range(3)]
+        assert {h.node_id() for h in local} == {here}
+        assert all(h._direct is not None and h.exec("echo ok").stdout == b"ok\n"
+                   for h in local)
+        remote = sandman.acquire(image, pool=pool, timeout=120, node=there)
+        assert remote.node_id() == there and remote._direct is None
+        assert remote.exec("echo far").stdout == b"far\n"  # through the host there
+        with pytest.raises(ValueError, match="not an alive Ray node"):
+            sandman.acquire(image, pool=pool, timeout=10, node="f" * 56)
+        for h in local + [remote]:
             sandman.release(h)
     finally:
         sandman.shutdown_pool(pool)

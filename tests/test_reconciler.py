@@ -66,15 +66,22 @@ class NoMetrics:
 
 
 class FakeProvider(Provider):
-    """Sandboxes as entries of a dict, placed on NODE unless ``place`` says otherwise;
-    ``fail`` holds the errors the next creates raise."""
+    """Sandboxes as entries of a dict, on NODE and OTHER: created where ``place`` said,
+    else on ``default_node``; ``fail`` holds the errors the next creates raise."""
 
     supports_reset = True
 
     def __init__(self):
         self.sandboxes, self.fail, self.calls = {}, [], []
-        self.place = NODE
+        self.default_node = NODE
+        self.placed = {}
         self.resets = 0
+
+    async def nodes(self):
+        return [NODE, OTHER]
+
+    def place(self, sandbox_id, node_id):
+        self.placed[sandbox_id] = node_id
 
     def _info(self, sandbox_id, spec, labels, node):
         return SandboxInfo(sandbox_id, "unix:/run/%s/sock" % sandbox_id, "t-" + sandbox_id,
@@ -84,7 +91,8 @@ class FakeProvider(Provider):
         self.calls.append(("create", sandbox_id))
         if self.fail:
             raise self.fail.pop(0)
-        info = self._info(sandbox_id, spec, labels, self.place)
+        info = self._info(sandbox_id, spec, labels,
+                          self.placed.pop(sandbox_id, self.default_node))
         self.sandboxes[sandbox_id] = info
         return info
 
@@ -343,7 +351,7 @@ def test_sandboxes_of_a_dead_node_are_forgotten_and_their_warm_capacity_made_aga
         pool, provider, _, cluster = make(warm={SPEC: 2})
         await settle(pool)
         lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
-        provider.place = OTHER
+        provider.default_node = OTHER
         cluster.nodes = {OTHER}
         await pool.drop_dead_nodes()
         assert "lost: Ray node" in pool.ended[lease.lease_id]
@@ -415,4 +423,52 @@ def test_twenty_thousand_records_cost_a_tick_only_what_changed():
         pool.records.visited = 0
         pool.tick()
         assert pool.records.visited <= 2
+    run(main())
+
+
+def test_a_lease_goes_to_a_sandbox_on_the_callers_node_first():
+    """Ready on both nodes: each caller gets the one on its own node, older ones
+    elsewhere notwithstanding; with none on its node, one elsewhere at once rather than
+    a wait; with none ready, a create on its node."""
+    async def main():
+        pool, provider, _, _ = make(warm={SPEC: 1})
+        await settle(pool)
+        provider.default_node = OTHER
+        pool.config.warm[SPEC] = 2
+        await settle(pool)
+        nodes = lambda: sorted(r.node for r in pool.records.walk(State.READY))
+        assert nodes() == [NODE, OTHER]
+        there = await pool.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER)
+        assert there.node_id == OTHER  # the older one on NODE stays
+        pool.config.warm[SPEC] = 0
+        await settle(pool)
+        elsewhere = await pool.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER)
+        assert elsewhere.node_id == NODE  # none on OTHER was ready: no wait for one
+        provider.default_node = NODE
+        made = asyncio.ensure_future(pool.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER))
+        await settle(pool)
+        assert (await made).node_id == OTHER  # created where its caller is
+        anywhere = asyncio.ensure_future(pool.lease(SPEC, "c1", 5, holder="h2",
+                                                    holder_node=OTHER, node="anywhere"))
+        await settle(pool)
+        assert (await anywhere).node_id == NODE  # where the provider puts it
+    run(main())
+
+
+def test_a_lease_asked_on_a_node_is_served_there_only():
+    """``node=<id>``: a sandbox ready elsewhere does not serve it; one is created on
+    that node even when the pool's supply would otherwise do; an unknown node is a
+    clear error."""
+    async def main():
+        pool, provider, _, _ = make(warm={SPEC: 1})
+        await settle(pool)
+        ready_here = next(iter(pool.records.walk(State.READY)))
+        assert ready_here.node == NODE
+        asked = asyncio.ensure_future(pool.lease(SPEC, "c1", 5, holder="h1",
+                                                 holder_node=NODE, node=OTHER))
+        await settle(pool)
+        lease = await asked
+        assert lease.node_id == OTHER and ready_here.state is State.READY
+        with pytest.raises(ValueError, match="not an alive Ray node"):
+            await pool.lease(SPEC, "c1", 5, node="node-z")
     run(main())

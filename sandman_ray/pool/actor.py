@@ -72,7 +72,7 @@ class PoolActor:
     # ---- client and host calls
     async def lease(self, spec, client: Optional[str] = None, timeout_s: float = 60.0,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
-                    lease_id: Optional[str] = None):
+                    lease_id: Optional[str] = None, node: Optional[str] = None):
         """A Lease (``Reconciler.lease``). ``spec`` alone as bytes: the whole request
         packed (``pack_lease_request``), and the lease packed in the answer: the
         acquire's path (each argument Ray serializes costs a call ~0.3 ms here)."""
@@ -80,7 +80,7 @@ class PoolActor:
         if isinstance(spec, bytes):
             request = unpack_lease_request(spec)
             return pack_lease(await pool.lease(*request))
-        return await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id)
+        return await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id, node)
 
     async def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:
         return (await self._started()).cancel(lease_id, holder)

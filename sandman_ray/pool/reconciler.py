@@ -35,7 +35,7 @@ from sandman_ray.pool.records import Records
 from sandman_ray.pool.states import EndedLeases, Lease, Sandbox, State
 from sandman_ray.pool.waiters import FairQueue, Waiter
 from sandman_ray.providers.base import POOL_LABEL, Provider
-from sandman_ray.spec import PoolConfig, SandboxSpec
+from sandman_ray.spec import ANYWHERE, PoolConfig, SandboxSpec
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Reconciler:
     # ------------------------------------------------------------------ leases
     async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
-                    lease_id: Optional[str] = None) -> Lease:
+                    lease_id: Optional[str] = None, node: Optional[str] = None) -> Lease:
         """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
 
         holder: the name of the handle host that will hold the lease. When the sandbox
@@ -132,8 +132,13 @@ class Reconciler:
             connects before the client's first call); otherwise the host of the
             sandbox's node registers it (``register``), within the grace.
         lease_id: the caller's id for the lease (a 128-bit secret it made), so that it
-            can ``cancel`` a request whose answer it has not seen."""
+            can ``cancel`` a request whose answer it has not seen.
+        node: where the sandbox runs. None: on ``holder_node`` when one is ready or can
+            be created there (a sandbox ready elsewhere is lent rather than waited for);
+            ``"anywhere"``: wherever the provider places it; a Ray node id: on that
+            node only."""
         spec = self.config.limited(SandboxSpec.of(spec))
+        want, only = await self._placement(node, holder_node)
         if lease_id is None:
             lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
         else:
@@ -148,7 +153,7 @@ class Reconciler:
         loop = asyncio.get_running_loop()
         now = self.clock.monotonic()
         waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
-                        holder, holder_node)
+                        holder, holder_node, want, only)
         self.waiters.push(waiter)
         self.waiting[lease_id] = waiter
         self.lend(spec)  # a warm sandbox is lent at once, without waiting for a tick
@@ -167,6 +172,21 @@ class Reconciler:
             # the caller went away: a sandbox lent meanwhile is reclaimed by the grace
             self._forget_waiter(waiter)
             raise
+
+    async def _placement(self, node: Optional[str], holder_node: Optional[str]) -> tuple:
+        """(the node a waiter prefers, the node it must have) for an acquire's ``node``."""
+        if node == ANYWHERE:
+            return None, None
+        if node is None:
+            return holder_node, None
+        nodes = await self.provider.nodes()
+        if nodes is None:
+            raise ValueError("pool %s: its provider does not place sandboxes on Ray nodes; "
+                             "acquire with node=None or node=%r" % (self.name, ANYWHERE))
+        if node not in nodes:
+            raise ValueError("pool %s: node %r is not an alive Ray node (alive: %s)"
+                             % (self.name, node, ", ".join(nodes) or "none"))
+        return node, node
 
     def _forget_waiter(self, waiter: Waiter) -> None:
         self.waiters.remove(waiter)
@@ -242,17 +262,24 @@ class Reconciler:
 
     def lend(self, only: Optional[SandboxSpec] = None) -> None:
         """Serve waiters from READY sandboxes (of ``only``, else of every spec that has
-        both), the oldest ready first."""
+        both), each the oldest ready on the node it prefers (the caller's: its direct
+        calls take the unix socket), else the oldest ready anywhere it may run."""
         specs = [only] if only is not None else \
             [s for s in self.waiters.per_spec if s in self.records.ready]
         for spec in specs:
             while spec in self.records.ready:
-                waiter = self.waiters.next_for(spec, self.allowed)
+                waiter = self.waiters.next_for(spec, self.allowed, self._servable)
                 if waiter is None:
                     break
                 self.waiting.pop(waiter.lease_id, None)
-                rec = next(iter(self.records.ready[spec].values()))
-                self._lend_to(rec, waiter)
+                self._lend_to(self._ready_for(waiter), waiter)
+
+    def _servable(self, waiter: Waiter) -> bool:
+        return waiter.only is None or bool(self.records.ready_on(waiter.spec, waiter.only))
+
+    def _ready_for(self, waiter: Waiter) -> Sandbox:
+        here = self.records.ready_on(waiter.spec, waiter.node) if waiter.node else None
+        return next(iter((here or self.records.ready[waiter.spec]).values()))
 
     def _lend_to(self, rec: Sandbox, waiter: Waiter) -> None:
         now = self.clock.monotonic()
@@ -318,7 +345,11 @@ class Reconciler:
         held = self.records.held()
         starting = self.records.count(State.CREATING) + self.records.count(State.REQUESTED)
         for spec, count in wanted.items():
-            for _ in range(count - self.records.supply.get(spec, 0)):
+            missing = count - self.records.supply.get(spec, 0)
+            musts, wants = self._nodes_to_create(spec) if spec in self.waiters.per_spec \
+                else ([], [])
+            nodes = musts + wants
+            for _ in range(max(missing, len(musts))):
                 if held >= self.config.max_sandboxes or starting >= self.config.max_starting:
                     return
                 if not self.bucket.take():
@@ -326,11 +357,30 @@ class Reconciler:
                     return
                 rec = Sandbox("sbx-" + uuid.uuid4().hex[:12], spec,
                               since=self.clock.monotonic())
+                if nodes:  # for a waiter on that node
+                    rec.node_hint = nodes.pop(0)
+                    self.provider.place(rec.sandbox_id, rec.node_hint)
                 self.records.add(rec)
                 self._event(rec, "requested")
                 held += 1
                 starting += 1
                 asyncio.get_running_loop().create_task(self._create(rec))
+
+    def _nodes_to_create(self, spec: SandboxSpec) -> tuple:
+        """The nodes new sandboxes of ``spec`` should be created on for the waiters: one
+        per waiter that wants a node, less the sandboxes ready or coming there; as
+        (those of waiters that take one node only, those of waiters that prefer one).
+        The pool creates more than it otherwise would only for the first (a sandbox
+        elsewhere does not serve them)."""
+        have = self.records.supply_on(spec)
+        only = self.waiters.only_on(spec)
+        musts, wants = [], []
+        for node in self.waiters.nodes_for(spec):
+            if have[node] > 0:
+                have[node] -= 1
+            else:
+                (musts if only.get(node) else wants).append(node)
+        return musts, wants
 
     def delete_surplus(self, wanted: Dict[SandboxSpec, int]) -> None:
         """READY sandboxes beyond what their spec wants, once they have lingered."""

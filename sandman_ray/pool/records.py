@@ -21,6 +21,9 @@ class Records:
         self.in_state: Dict[State, Dict[str, Sandbox]] = {s: {} for s in State}
         self.ready: Dict[SandboxSpec, Dict[str, Sandbox]] = {}  # READY, per spec, oldest first
         self.supply: collections.Counter = collections.Counter()  # spec -> READY or coming
+        # (spec, node) -> READY sandboxes there, oldest first; and READY or coming there
+        self.ready_at: Dict[tuple, Dict[str, Sandbox]] = {}
+        self.supply_at: collections.Counter = collections.Counter()
         self.leases: Dict[str, Sandbox] = {}  # lease id -> the LEASED record
         self.per_client: collections.Counter = collections.Counter()  # client -> leases
         self.per_holder: Dict[str, Dict[str, Sandbox]] = {}  # host name -> its leased records
@@ -141,22 +144,44 @@ class Records:
             if not held:
                 del self.per_holder[rec.holder]
 
+    def ready_on(self, spec: SandboxSpec, node: Optional[str]) -> Dict[str, Sandbox]:
+        """READY sandboxes of ``spec`` on ``node``, oldest first."""
+        return self.ready_at.get((spec, node), {})
+
+    def supply_on(self, spec: SandboxSpec) -> collections.Counter:
+        """Per node, the sandboxes of ``spec`` READY or coming there."""
+        return collections.Counter({node: n for (s, node), n in self.supply_at.items()
+                                    if s == spec})
+
     def _enter(self, rec: Sandbox) -> None:
         self.in_state[rec.state][rec.sandbox_id] = rec
+        rec.indexed_node = rec.node  # where it is indexed, until it leaves this state
         if rec.state is State.READY:
             self.ready.setdefault(rec.spec, {})[rec.sandbox_id] = rec
+            self.ready_at.setdefault((rec.spec, rec.indexed_node), {})[rec.sandbox_id] = rec
         if rec.state in SUPPLY:
             self.supply[rec.spec] += 1
+            self.supply_at[(rec.spec, rec.indexed_node)] += 1
 
     def _leave(self, rec: Sandbox) -> None:
         self.in_state[rec.state].pop(rec.sandbox_id, None)
         if rec.state is State.READY:
-            ready = self.ready.get(rec.spec)
-            if ready is not None:
-                ready.pop(rec.sandbox_id, None)
-                if not ready:
-                    del self.ready[rec.spec]
+            _pop(self.ready, rec.spec, rec.sandbox_id)
+            _pop(self.ready_at, (rec.spec, rec.indexed_node), rec.sandbox_id)
         if rec.state in SUPPLY:
-            self.supply[rec.spec] -= 1
-            if self.supply[rec.spec] <= 0:
-                del self.supply[rec.spec]
+            _decrement(self.supply, rec.spec)
+            _decrement(self.supply_at, (rec.spec, rec.indexed_node))
+
+
+def _pop(index: dict, key, sandbox_id: str) -> None:
+    entries = index.get(key)
+    if entries is not None:
+        entries.pop(sandbox_id, None)
+        if not entries:
+            del index[key]
+
+
+def _decrement(counter: collections.Counter, key) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]

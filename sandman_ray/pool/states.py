@@ -77,11 +77,11 @@ class Lease:
 
 
 def pack_lease_request(spec, client: str, timeout_s: float, holder: str, holder_node: str,
-                       lease_id: str) -> bytes:
+                       lease_id: str, node: Optional[str] = None) -> bytes:
     """An acquire's request to the pool as one bytes argument (``PoolActor.lease``)."""
     from sandman_ray.daemon.sandmand.wire import pack
     return pack([spec if isinstance(spec, str) else spec.to_dict(), client, timeout_s,
-                 holder, holder_node, lease_id])
+                 holder, holder_node, lease_id, node])
 
 
 def unpack_lease_request(data: bytes) -> list:
@@ -118,6 +118,14 @@ class Sandbox:
     leased_at: float = 0.0
     last_used: float = 0.0
     attempts: int = 0
+    node_hint: Optional[str] = None  # the node it is created on for a waiter, if any
+    indexed_node: Optional[str] = None  # the node Records indexes it under (its state's)
+
+    @property
+    def node(self) -> Optional[str]:
+        """The Ray node it runs on, or is being created on when a waiter asked."""
+        node = getattr(self.info, "node_id", None)
+        return node if node is not None else self.node_hint
 
     def to(self, state: State, now: float) -> None:
         """Move to ``state``; anything but an allowed transition is a bug. (Why is the

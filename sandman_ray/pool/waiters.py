@@ -17,6 +17,13 @@ class Waiter:
     enqueued: float = 0.0
     holder: Optional[str] = None  # the host actor's name that will hold the lease
     holder_node: Optional[str] = None  # the node that host runs on
+    want: Optional[str] = None  # the node it prefers a sandbox on (the caller's)
+    only: Optional[str] = None  # the node its sandbox must be on (asked for)
+
+    @property
+    def node(self) -> Optional[str]:
+        """The node a sandbox made for it should be created on, if any."""
+        return self.only or self.want
 
 
 @dataclass
@@ -60,20 +67,31 @@ class FairQueue:
     def of(self, client: str) -> List[Waiter]:
         return list(self.queues.get(client, ()))
 
-    def next_for(self, spec: SandboxSpec, allowed) -> Optional[Waiter]:
+    def next_for(self, spec: SandboxSpec, allowed, servable=None) -> Optional[Waiter]:
         """Pop the first waiter for ``spec``, taking clients in turn; ``allowed(client)``
-        says whether a client may get one more (its quota)."""
+        says whether a client may get one more (its quota), ``servable(waiter)`` whether
+        a sandbox is ready for it (one that takes only one node)."""
         if not self.per_spec.get(spec):
             return None
-        for _ in range(len(self.turn)):
-            client = self.turn[0]
-            self.turn.rotate(-1)
+        for turn in range(len(self.turn)):
+            client = self.turn[turn]
             if not allowed(client):
                 continue
             queue = self.queues[client]
             for waiter in queue:
-                if waiter.spec == spec:
+                if waiter.spec == spec and (servable is None or servable(waiter)):
+                    self.turn.rotate(-turn - 1)  # the next turn is the next client's
                     queue.remove(waiter)
                     self._removed(waiter)
                     return waiter
         return None
+
+    def nodes_for(self, spec: SandboxSpec) -> List[str]:
+        """The nodes that waiters for ``spec`` want their sandboxes on, in order (a node
+        once per waiter; waiters that take any node are left out)."""
+        return [w.node for w in self.waiting() if w.spec == spec and w.node is not None]
+
+    def only_on(self, spec: SandboxSpec) -> collections.Counter:
+        """Per node, the waiters for ``spec`` that take a sandbox on that node only."""
+        return collections.Counter(w.only for w in self.waiting()
+                                   if w.spec == spec and w.only is not None)

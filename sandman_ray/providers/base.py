@@ -138,6 +138,16 @@ class Provider(abc.ABC):
         that a first burst finds the provider running. Failures are the create's to
         report."""
 
+    async def nodes(self) -> Optional[List[str]]:
+        """The Ray nodes this provider can place a sandbox on (``place``), or None when
+        it does not place sandboxes on Ray nodes (a Kubernetes cluster's pods)."""
+        return None
+
+    def place(self, sandbox_id: str, node_id: str) -> None:
+        """Create ``sandbox_id`` on Ray node ``node_id`` (one of ``nodes()``) when it is
+        created next: what an acquire on that node, or asking for it, wants. A provider
+        that does not place sandboxes ignores it."""
+
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes, a new token),
         keeping its id, and return once its daemon answers."""

@@ -49,6 +49,12 @@ class FaultyProvider(Provider):
     async def warm_up(self) -> None:
         await self.inner.warm_up()
 
+    async def nodes(self):
+        return await self.inner.nodes()
+
+    def place(self, sandbox_id: str, node_id: str) -> None:
+        self.inner.place(sandbox_id, node_id)
+
     async def delete(self, sandbox_id: str) -> None:
         await self.inner.delete(sandbox_id)
 

@@ -150,6 +150,12 @@ class NodeAgentProvider(Provider):
         return min(nodes, key=lambda n: (counts[n], (nodes.index(n) - self._next) % len(nodes)))
 
     # ---- the Provider interface
+    async def nodes(self) -> List[str]:
+        return await self.alive_nodes()
+
+    def place(self, sandbox_id: str, node_id: str) -> None:
+        self._where.setdefault(sandbox_id, node_id)
+
     async def warm_up(self) -> None:
         """An agent on every alive node, started now and awaited (the first create on
         a node would otherwise wait ~1 s for its actor process); a node that joins

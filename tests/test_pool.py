@@ -208,6 +208,12 @@ def test_a_command_with_an_id_runs_once_on_every_path(pool, image):
         assert passed_on.exec(cmd, command_id="append-once") == first
         assert sb.read_file("/tmp/log") == b"ran\n"
         assert sb.exec(cmd, command_id="append-twice").stdout == b"2\n"
+        # what runs in the background is the lease's: found again through another path
+        pid = sb.spawn("echo from the background; sleep 100", command_id="bg")
+        assert passed_on.spawn("echo from the background; sleep 100", command_id="bg") == pid
+        assert pid in [p.pid for p in passed_on.proc_list() if p.running]
+        wait_until(lambda: passed_on.proc_output(pid).data == b"from the background\n",
+                   what="the background process's output")
 
 
 def test_a_terminal_runs_an_interactive_shell(pool, image):

@@ -3,12 +3,14 @@ once, and terminals: against a real daemon."""
 
 import asyncio
 import os
+import socket
 import threading
 
 import pytest
 
 from sandman_ray.client import AsyncDaemonClient, ExecResult
 from sandman_ray.daemon.sandmand.spawn import descendants
+from sandman_ray.daemon.sandmand.wire import encode_frame
 from sandman_ray.errors import DaemonError
 from conftest import wait_until
 
@@ -240,3 +242,76 @@ def test_a_program_that_checks_for_a_terminal_sees_one(client):
     assert not client.exec("[ -t 1 ]").ok  # exec's output is a pipe, not a terminal
     with pytest.raises(DaemonError, match="cols and rows"):
         client.pty_open(cols=0)
+
+
+def test_a_terminal_closed_under_a_waiting_write_harms_no_later_connection(daemon, client):
+    """A write that waits for room in a terminal that never reads is ended by the
+    close (TerminalClosed), and its descriptor number, reused, serves new connections;
+    two writes at once are both answered, in order."""
+    async def main():
+        a = await AsyncDaemonClient.connect(daemon.address, daemon.token)
+        for _ in range(4):
+            pty = (await a.pty_open("stty raw -echo; exec sleep 1000"))["pty"]
+            stuck = asyncio.ensure_future(a.pty_write(pty, b"x" * (1 << 20)))
+            await asyncio.sleep(0)  # sent: it waits for room
+            await a.pty_close(pty, kill_grace_s=0)
+            with pytest.raises(DaemonError) as err:
+                await stuck
+            assert err.value.type == "TerminalClosed"
+            fresh = await AsyncDaemonClient.connect(daemon.address, daemon.token)
+            assert await fresh.ping() is None
+            fresh.close()
+        pty = (await a.pty_open(["cat"]))["pty"]
+        done = await asyncio.gather(a.pty_write(pty, "one\n"), a.pty_write(pty, "two\n"))
+        assert done == [None, None]
+        await a.pty_close(pty)
+        a.close()
+    asyncio.run(main())
+
+
+def test_closing_a_terminal_ends_what_its_exited_leader_left_on_it(client, daemon):
+    term = client.pty_open("trap '' HUP TERM; (trap '' HUP TERM; exec sleep 777.125) & exit 0")
+    wait_until(lambda: _commands_of_all("sleep", "777.125"), what="the left-behind sleep")
+    left = _commands_of_all("sleep", "777.125")
+    wait_until(lambda: not client.pty_list()[-1]["running"], what="the leader's exit")
+    client.pty_close(term["pty"], kill_grace_s=0.1)
+    wait_until(lambda: not any(_alive(pid) for pid in left), what="the sleep killed")
+    for _ in range(20):  # closed terminals are forgotten past the last 16
+        client.pty_close(client.pty_open(["true"])["pty"])
+    assert sum(not t["open"] for t in client.pty_list()) == 16
+
+
+def _commands_of_all(name, arg):
+    """Pids of processes on this machine running ``name arg`` (reparented ones too)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/cmdline" % entry, "rb") as fh:
+                    if fh.read().split(b"\0")[:2] == [name.encode(), arg.encode()]:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_kept_answers_for_many_retries_are_not_copied_per_retry(daemon, tmp_path):
+    """Sixty retries attached to one command whose answer is 8 MB, on a connection that
+    does not read: the daemon encodes the answer once and holds back the rest of the
+    requests past its high-water mark, so it grows by far less than 60 copies."""
+    go = tmp_path / "go"
+    cmd = "while [ ! -e %s ]; do sleep 0.01; done; head -c 8000000 /dev/zero" % go
+    before = _rss_kib(daemon.pid)
+    raw = socket.socket(socket.AF_UNIX)
+    raw.connect(daemon.address[len("unix:"):])
+    raw.sendall(encode_frame({"op": "hello", "id": 0, "token": daemon.token, "version": 2}))
+    for rid in range(1, 61):
+        raw.sendall(encode_frame({"op": "exec", "id": rid, "cmd": cmd, "command_id": "big",
+                                  "max_output": 8000000}))
+    with daemon.client() as other:
+        wait_until(lambda: _commands_of(daemon, "sh"), what="the command started")
+        go.touch()
+        assert len(other.exec(cmd, command_id="big", max_output=8000000).stdout) == 8000000
+        grown_mib = (_rss_kib(daemon.pid) - before) / 1024
+        assert grown_mib < 64, grown_mib
+    raw.close()

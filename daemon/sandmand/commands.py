@@ -19,9 +19,6 @@ class Commands:
         self.kept_bytes = 0
         self.forgotten = {}  # command id -> None, oldest first
 
-    def clear(self):
-        self.__init__()
-
     def claim(self, req, reply):
         """The Record that ``reply`` answers for a new command id, or None when the id
         ran before or runs now: ``reply`` then gets its answer (at once when it is
@@ -64,32 +61,29 @@ class Record:
 
     def __init__(self, commands, cid, print_):
         self.commands, self.cid, self.fingerprint = commands, cid, print_
-        self.answer = None  # the final message, without its id
-        self.waiting = []  # replies of retries
+        self.answer = None  # the final message without its id, encoded (a msgpack map)
+        self.waiting = {}  # replies of retries (a dict: detaching one costs the same)
         self.size = 0
 
     def attach(self, reply):
         if self.answer is not None:
-            reply.send_final(self.answer)
+            reply.send_kept(self.answer)
             return
-        self.waiting.append(reply)
+        self.waiting[reply] = None
         reply.on_cancel = lambda: self._detach(reply)
 
     def _detach(self, reply):
-        if reply in self.waiting:
-            self.waiting.remove(reply)
+        self.waiting.pop(reply, None)
         reply.abandon()
 
     def finish(self, msg):
-        answer = dict(msg)
-        answer.pop("id", None)
-        self.answer = answer
-        result = answer.get("result")
-        if isinstance(result, dict):
-            self.size = sum(len(v) for v in result.values() if isinstance(v, bytes))
-        waiting, self.waiting = self.waiting, []
+        """The first run's answer: kept encoded once, its bytes shared by every retry's
+        reply (which adds only its own id in front)."""
+        self.answer = pack({k: v for k, v in msg.items() if k != "id"})
+        self.size = len(self.answer)  # results and errors alike
+        waiting, self.waiting = self.waiting, {}
         for reply in waiting:
-            reply.send_final(answer)
+            reply.send_kept(self.answer)
         self.commands.done(self)
 
 

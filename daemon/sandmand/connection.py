@@ -51,11 +51,12 @@ class Connection:
         self.inflight = {}  # request id -> Reply
         self.writable = Event(self.loop)
         self.writable.set()
+        self.held = []  # frames received, not yet served: the client does not read
         sock.setblocking(False)
-        daemon.connections.add(self)
-        daemon.unauthenticated += 1
         self.loop.add_reader(self.fd, self._readable)
         self.hello_timer = self.loop.call_later(daemon.hello_timeout_s, self._no_hello)
+        daemon.connections.add(self)
+        daemon.unauthenticated += 1
 
     # ---- bytes
     def _readable(self):
@@ -129,6 +130,8 @@ class Connection:
             self.writable.set()
             if not self.closing:
                 self.loop.add_reader(self.fd, self._readable)
+                if self.held:
+                    self._serve([])
 
     def close(self):
         """Close now (queued replies are dropped); see ``close_after_flush``."""
@@ -190,6 +193,20 @@ class Connection:
                 "limit of %d; ask for less" % (len(frame) - 4, MAX_FRAME)}})
         self.write(frame)
 
+    def send_encoded(self, rid, body):
+        """A final reply whose map, without its id, is encoded in ``body`` (a fixmap of
+        fewer than 15 entries): the id goes in front, ``body``'s entries are sent as they
+        are."""
+        if self.closing:
+            return
+        count = body[0] & 0x0F
+        if body[0] & 0xF0 != 0x80 or count >= 15:
+            self.send(dict(unpack(body), id=rid))
+            return
+        head = bytes([0x80 | (count + 1)]) + pack("id") + pack(rid)
+        rest = memoryview(body)[1:]
+        self.write(_BIN32.pack(len(head) + len(rest)) + head, rest)
+
     def send_event(self, rid, name, data):
         """``{"id": rid, "event": name, "data": data}``; large data is sent as it is,
         after the frame's header and the map's other fields (not copied into a frame)."""
@@ -209,8 +226,19 @@ class Connection:
         except CodecError as exc:
             self._fail("ProtocolError", str(exc))
             return
-        for body in frames:
+        self._serve(frames)
+
+    def _serve(self, frames):
+        """Serve the frames held back and then ``frames``, until the replies queued pass
+        the high-water mark: the rest wait until the client reads (a batch of requests
+        cannot queue a reply each beyond it)."""
+        if self.held:
+            frames, self.held = self.held + frames, []
+        for index, body in enumerate(frames):
             if self.closing:
+                return
+            if self.authed and not self.writable.is_set():
+                self.held = [bytes(f) for f in frames[index:]]  # views of the recv buffer
                 return
             try:
                 req = unpack(body)
@@ -333,8 +361,8 @@ class Connection:
         """Give up request ``rid`` in flight on this connection (the ``cancel`` op): a
         command is killed, a retry stops waiting; whether it was in flight."""
         reply = self.inflight.get(rid)
-        if reply is None:
-            return False
+        if reply is None or reply.on_cancel is None:
+            return False  # answered, or not to be given up (a session run under way)
         reply.cancel()
         return True
 
@@ -360,11 +388,14 @@ class Reply:
     def fail(self, exc):
         self._finish({"id": self.rid, "ok": False, "error": error_body(exc)})
 
-    def send_final(self, answer):
-        """Answer with ``answer``, a final message without its id (a kept one)."""
-        msg = dict(answer)
-        msg["id"] = self.rid
-        self._finish(msg)
+    def send_kept(self, answer):
+        """Answer with ``answer``: a final message without its id, encoded (a command's
+        kept answer, commands.py), sent after this reply's id without a copy."""
+        if self.done:
+            return
+        self.done = True
+        self.conn.inflight.pop(self.rid, None)
+        self.conn.send_encoded(self.rid, answer)
 
     def _finish(self, msg):
         record, self.record = self.record, None

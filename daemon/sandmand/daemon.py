@@ -19,7 +19,8 @@ from .ops.procs import ProcessOps
 from .ops.sessions import SessionOps
 from .ops.terminals import TerminalOps
 from .spawn import (
-    HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, signal_tree)
+    HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, sandbox_pids,
+    signal_tree)
 from .wire import (
     DEFAULT_KILL_GRACE_S, HELLO_TIMEOUT_S, KILL_SETTLE_S, MAX_UNAUTHENTICATED, OPS,
     PROTOCOL_VERSION)
@@ -97,6 +98,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         self.sessions = {}
         self.procs = {}
         self.terminals = {}
+        self.next_terminal = 1  # the next terminal's id (per lease)
         self.commands = Commands()  # commands that carried an id (exactly once)
         self.uploads = 0  # open on all connections (each holds its own)
         self.next_upload = 1
@@ -356,7 +358,11 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
             self.sessions.clear()
             self.procs.clear()
             await self.close_terminals()
-            self.commands.clear()
+            # new objects, not emptied ones: what the last lease still finishes (a
+            # queued session run draining) goes to its own, forgotten, state
+            self.commands = Commands()
+            self.terminals = {}
+            self.next_terminal = 1
             self.next_upload = 1
             # an op's thread of the last lease still at work would go on in the next
             # tenant's root; what a tenant may set on this process would stay with it
@@ -430,14 +436,6 @@ def own_settings():
             except (ValueError, OSError):
                 continue
     return out
-
-
-def sandbox_pids():
-    """The pids of the sandbox's pid namespace (its /proc)."""
-    try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
 
 
 def read_os_release():

@@ -163,10 +163,16 @@ class Loop:
                 pass
         elif old:
             self.masks[fd] = mask
-            self.epoll.modify(fd, mask)
+            try:
+                self.epoll.modify(fd, mask)
+            except FileNotFoundError:  # closed while registered: a new fd of that number
+                self.epoll.register(fd, mask)
         else:
             self.masks[fd] = mask
-            self.epoll.register(fd, mask)
+            try:
+                self.epoll.register(fd, mask)
+            except FileExistsError:
+                self.epoll.modify(fd, mask)
 
     def add_reader(self, fd, callback, *args):
         self.readers[fd] = (callback, args)

@@ -45,6 +45,14 @@ def descendants(pid):
     return found
 
 
+def sandbox_pids():
+    """The pids of the sandbox's pid namespace (its /proc)."""
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
 def signal_tree(pid, sig, alive=True):
     """Send ``sig`` to ``pid``'s process group and, while ``pid`` itself is alive (not
     yet reaped), to it and every descendant (some may have left the group with setsid).

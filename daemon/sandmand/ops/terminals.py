@@ -11,9 +11,11 @@ import time
 import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 
 from ..fields import RequestError, as_bytes, bad_request, env_field, field, number_field
-from ..loop import Event, Timeout, wait_for
-from ..spawn import Ring, descendants, exit_code, write_pipe
+from ..loop import Event, Lock, Timeout, resolve_once, wait_for
+from ..spawn import Ring, descendants, exit_code, sandbox_pids
 from ..wire import KILL_SETTLE_S, MAX_STREAM_CAP, MAX_TERMINALS, TERMINAL_RING_BYTES
+
+MAX_CLOSED_TERMINALS = 16  # closed terminals kept, for their last output
 
 MAX_SIDE = 10000  # columns or rows of a terminal
 
@@ -33,10 +35,17 @@ class TerminalOps:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if not argv or not all(isinstance(a, str) and a and "\0" not in a for a in argv):
             raise bad_request("field 'cmd' as a list must be non-empty strings without NUL")
-        term = Terminal(self, argv, ring)
+        term = Terminal(self, self.next_terminal, argv, ring)
+        self.next_terminal += 1
         term.open(env, field(req, "cwd"), cols, rows, field(req, "stdin", b""))
         self.terminals[term.id] = term
         return {"pty": term.id, "pid": term.pid}
+
+    def forget_closed_terminals(self):
+        """Keep the last MAX_CLOSED_TERMINALS closed terminals (their final output)."""
+        closed = [t for t in self.terminals.values() if t.master is None]
+        for term in closed[:-MAX_CLOSED_TERMINALS]:
+            del self.terminals[term.id]
 
     def _shell(self):
         from ..spawn import which
@@ -49,15 +58,7 @@ class TerminalOps:
         return term
 
     async def op_pty_write(self, req):
-        term = self._terminal(req)
-        if term.master is None:
-            raise RequestError("TerminalClosed", "terminal %d is closed" % term.id)
-        try:
-            await write_pipe(self.loop, term.master, as_bytes(req["data"]))
-        except OSError as exc:
-            if exc.errno != errno.EIO:
-                raise
-            raise RequestError("TerminalClosed", "terminal %d has no process left" % term.id)
+        await self._terminal(req).write(as_bytes(req["data"]))
         return None
 
     async def op_pty_read(self, req):
@@ -90,6 +91,7 @@ class TerminalOps:
         term = self._terminal(req)
         grace = number_field(req, "kill_grace_s", 0.5, 0, 60)
         await term.close(grace)
+        self.forget_closed_terminals()
         return term.status()
 
     def op_pty_list(self, req):
@@ -111,12 +113,12 @@ def _size(cols, rows):
 class Terminal:
     """A command on a pseudo-terminal: its master side, read into a ring."""
 
-    ids = iter(range(1, 1 << 62))
-
-    def __init__(self, daemon, argv, ring_bytes):
-        self.daemon, self.argv = daemon, argv
-        self.id = next(Terminal.ids)
+    def __init__(self, daemon, term_id, argv, ring_bytes):
+        self.daemon, self.id, self.argv = daemon, term_id, argv
         self.ring = Ring(ring_bytes)
+        self.write_lock = Lock(daemon.loop)  # one write at a time, in arrival order
+        self.room = None  # the future a write waits on for room in the terminal
+        self.tty = None  # the terminal's device number (a process's controlling tty)
         self.more = Event(daemon.loop)  # set when output or the end arrives
         self.master = None
         self.pid = None
@@ -128,6 +130,7 @@ class Terminal:
         master, slave = os.openpty()
         try:
             os.set_inheritable(master, False)
+            self.tty = os.fstat(slave).st_rdev
             self.master = master
             self.resize(cols, rows)
             self.pid = _spawn_on_terminal(self.argv, env, cwd, slave)
@@ -141,7 +144,39 @@ class Terminal:
         self.exited = self.daemon.children.watch(self.pid, self._ended)
         self.daemon.loop.add_reader(master, self._readable)
         if stdin:
-            self.daemon.loop.create_task(write_pipe(self.daemon.loop, master, as_bytes(stdin)))
+            self.daemon.loop.create_task(self._type(as_bytes(stdin)))
+
+    async def _type(self, data):
+        try:
+            await self.write(data)
+        except RequestError:  # closed first
+            pass
+
+    async def write(self, data):
+        """Type ``data`` into the terminal, waiting for room as it reads; a close while
+        it waits ends it (TerminalClosed), and nothing is written to a later fd."""
+        loop = self.daemon.loop
+        async with self.write_lock:
+            view = memoryview(data)
+            while view:
+                if self.master is None:
+                    raise RequestError("TerminalClosed", "terminal %d is closed" % self.id)
+                try:
+                    view = view[os.write(self.master, view):]
+                except BlockingIOError:
+                    self.room = loop.create_future()
+                    loop.add_writer(self.master, resolve_once, self.room)
+                    try:
+                        await self.room
+                    finally:
+                        self.room = None
+                        if self.master is not None:
+                            loop.remove_writer(self.master)
+                except OSError as exc:
+                    if exc.errno != errno.EIO:
+                        raise
+                    raise RequestError("TerminalClosed",
+                                       "terminal %d has no process left" % self.id)
 
     def resize(self, cols, rows):
         import fcntl
@@ -179,30 +214,52 @@ class Terminal:
         terminal that goes away does), close the terminal, then TERM what is left and
         KILL it after ``grace_s``. The tree is read first: a process whose shell dies of
         the hangup is reparented out of its reach."""
-        tree = descendants(self.pid) if self.running else []
-        for target in ([self.pid] if self.running else []) + tree:
+        tree = set(descendants(self.pid)) if self.running else set()
+        tree.update(self._on_terminal())  # those the leader left behind when it exited
+        for target in ([self.pid] if self.running else []) + sorted(tree):
             try:
                 os.kill(target, signal.SIGHUP)
             except OSError:
                 pass
         if self.master is not None:
-            self.daemon.loop.remove_reader(self.master)
+            loop = self.daemon.loop
+            loop.remove_reader(self.master)
+            loop.remove_writer(self.master)
+            if self.room is not None and not self.room.done():
+                self.room.set_result(None)  # the waiting write ends: TerminalClosed
             os.close(self.master)
             self.master = None
             self.ring.eof = True
             self.more.set()
             self.more.clear()
-        if self.running or tree:
-            await self.daemon.terminate([self.pid], grace_s)
-            for target in tree:  # those no longer below it
-                try:
-                    os.kill(target, signal.SIGKILL)
-                except OSError:
-                    pass
+        # the leader's group, whether or not it was reaped, and what is left of the tree
+        await self.daemon.terminate([self.pid], grace_s)
+        for target in tree:  # those no longer below it
+            try:
+                os.kill(target, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.running:
             try:
                 await wait_for(self.daemon.loop, self.exited, KILL_SETTLE_S)
             except Timeout:
                 pass
+
+    def _on_terminal(self):
+        """Pids of the processes of the terminal's session (its leader's pid) whose
+        controlling terminal it is (a process that left the session with ``setsid`` is
+        not found here). Both must match: another devpts instance's terminal may have
+        the same device number."""
+        found = []
+        for pid in sandbox_pids():
+            try:
+                with open("/proc/%d/stat" % pid, "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 4 and int(fields[3]) == self.pid and int(fields[4]) == self.tty:
+                found.append(pid)
+        return found
 
     def status(self):
         return {"pty": self.id, "pid": self.pid, "cmd": self.argv, "running": self.running,

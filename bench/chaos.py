@@ -343,7 +343,8 @@ def node_removed(trial: Trial) -> Trial:
     node = CLUSTER.add_node(num_cpus=1)
     CLUSTER.wait_for_nodes()
     pool = new_pool(warm={IMAGE: 2})
-    handles = [sandman.acquire(IMAGE, pool=pool, timeout=120) for _ in range(4)]
+    handles = [sandman.acquire(IMAGE, pool=pool, timeout=120, node=sandman.ANYWHERE)
+               for _ in range(4)]  # spread over both nodes, not on the driver's
     placed = ray.get([h.node_id.remote() for h in handles])
     doomed = [h for h, n in zip(handles, placed) if n == node.node_id]
     kept = [h for h, n in zip(handles, placed) if n != node.node_id]

@@ -261,8 +261,8 @@ class NodeAgentProvider(Provider):
                     continue
             try:
                 total += await agent.shutdown.remote()
-            except ray.exceptions.RayActorError:
-                pass
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
+                pass  # gone, or pinned to a node that is gone: nothing of it is left
             except ProviderError as exc:  # stop the agent anyway; its janitor tries again
                 failed = failed or unwrapped(exc)
             ray.kill(agent)

@@ -120,7 +120,7 @@ def test_an_asyncio_stream_whose_consumer_is_cancelled_kills_its_command(daemon)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        got, result = [], None
+        got = []
         async for item in client.exec_stream("echo again"):
             got.append(item)
         client.close()

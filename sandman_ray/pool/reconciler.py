@@ -373,13 +373,15 @@ class Reconciler:
         The pool creates more than it otherwise would only for the first (a sandbox
         elsewhere does not serve them)."""
         have = self.records.supply_on(spec)
-        only = self.waiters.only_on(spec)
         musts, wants = [], []
-        for node in self.waiters.nodes_for(spec):
+        for waiter in self.waiters.waiting():
+            node = waiter.node
+            if waiter.spec != spec or node is None:
+                continue
             if have[node] > 0:
                 have[node] -= 1
             else:
-                (musts if only.get(node) else wants).append(node)
+                (musts if waiter.only else wants).append(node)
         return musts, wants
 
     def delete_surplus(self, wanted: Dict[SandboxSpec, int]) -> None:

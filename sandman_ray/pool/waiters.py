@@ -85,13 +85,3 @@ class FairQueue:
                     self._removed(waiter)
                     return waiter
         return None
-
-    def nodes_for(self, spec: SandboxSpec) -> List[str]:
-        """The nodes that waiters for ``spec`` want their sandboxes on, in order (a node
-        once per waiter; waiters that take any node are left out)."""
-        return [w.node for w in self.waiting() if w.spec == spec and w.node is not None]
-
-    def only_on(self, spec: SandboxSpec) -> collections.Counter:
-        """Per node, the waiters for ``spec`` that take a sandbox on that node only."""
-        return collections.Counter(w.only for w in self.waiting()
-                                   if w.spec == spec and w.only is not None)

@@ -15,7 +15,8 @@ On a local Ray with the LocalProvider:
          the caller's own connection to the daemon) beside the daemon client on the
          handle's own sandbox, and SWE-ReX's
          ``swerex-remote`` server (a host process, no sandbox) through its
-         ``RemoteRuntime``: ``execute`` and ``run_in_session``. Interleaved rounds.
+         ``RemoteRuntime``: ``execute`` and ``run_in_session``. Interleaved rounds in a
+         shuffled order.
   burst  N acquires from M client processes at once, cold (no sandbox yet) and warm (N
          ready), time to 50 % and 100 % usable (acquired and ``true`` answered, by a direct
          call: ``await sb.exec_async("true")``), with the
@@ -57,6 +58,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import secrets
 import shutil
 import signal
@@ -176,7 +178,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def noop(samples: int, rounds: int = 10) -> dict:
+def noop(samples: int, rounds: int = 50) -> dict:
+    """Each row in ``rounds`` short blocks, the rows in a new random order each round,
+    each block after one untimed call: a slow stretch of the machine falls on every row
+    alike, and no row always follows the one that spawns processes (the first call after
+    a spawn finds the daemon still cleaning up, and colder caches)."""
     pool = "bench-noop-" + uuid.uuid4().hex[:6]
     sandman.create_pool(pool, provider=provider(), warm={"host": 1})
     direct = provider().bind("bench-direct-" + uuid.uuid4().hex[:6])
@@ -216,9 +222,14 @@ def noop(samples: int, rounds: int = 10) -> dict:
         for fn in rows.values():  # warm up
             for _ in range(20):
                 fn()
+        order = random.Random(1)  # seeded: the same orders in every run
+        names = list(rows)
         for _ in range(rounds):
-            for name, fn in rows.items():
+            order.shuffle(names)
+            for name in names:
+                fn = rows[name]
                 count = max(1, samples // rounds // (5 if name in slow else 1))
+                fn()  # untimed: see the docstring
                 for _ in range(count):
                     start = time.perf_counter()
                     fn()

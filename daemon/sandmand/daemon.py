@@ -124,7 +124,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
             # As PID 1 we must reap orphans; without pidfds SIGCHLD is how we learn of
             # exits. Otherwise each child's pidfd suffices, and skipping SIGCHLD saves
             # two loop wake-ups per command.
-            self.loop.add_signal_handler(signal.SIGCHLD, self.children.reap)
+            self.children.reap_on_sigchld()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.request_stop, 0.5)
         self.children.reap()  # anything that exited before the handler was installed

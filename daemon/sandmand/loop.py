@@ -182,6 +182,18 @@ class Loop:
         if self.readers.pop(fd, None) is not None:
             self._update(fd)
 
+    def close_fd(self, fd):
+        """Stop watching ``fd`` and close it, without the epoll_ctl calls that removing it
+        first would cost (two fewer syscalls per pipe of a short command): closing the
+        last descriptor of a file takes it out of the epoll set. Only for a file no other
+        process holds (our pipes' read ends, pidfds); should one still be held (a fork
+        between its fork and exec), its events come under a number we no longer watch,
+        and every callback here tolerates a spurious readiness."""
+        self.readers.pop(fd, None)
+        self.writers.pop(fd, None)
+        self.masks.pop(fd, None)
+        os.close(fd)
+
     def add_writer(self, fd, callback, *args):
         self.writers[fd] = (callback, args)
         self._update(fd)
@@ -243,8 +255,11 @@ class Loop:
             return
         for sig in set(data):
             handler = self.signal_handlers.get(sig)
-            if handler is not None:
-                self.call_soon(handler[0], *handler[1])
+            if handler is not None:  # now, not in the next iteration (SIGCHLD: a reply waits)
+                try:
+                    handler[0](*handler[1])
+                except Exception as exc:
+                    _log("signal handler %r failed: %s: %s" % (handler[0], type(exc).__name__, exc))
 
     # running
     def run_until(self, fut):

@@ -112,9 +112,11 @@ def plain_argv(cmd):
 
 
 class Children:
-    """Knows when each child we started exits. A pidfd per child (Linux 5.3+, Python
-    3.9+) reports the exit in the same loop iteration; SIGCHLD with waitpid(-1) reaps
-    everything else (orphans when we are PID 1) and is the fallback without pidfds.
+    """Knows when each child we started exits. Where the daemon handles SIGCHLD (as
+    PID 1, the reaper of orphans, or without pidfds) ``reap`` learns of every exit; else
+    a pidfd per child (Linux 5.3+, Python 3.9+) reports it in the same loop iteration.
+    (Both at once cost a pidfd_open, an epoll_ctl and a close per command for nothing:
+    SIGCHLD's waitpid(-1) reaped the child first.)
     ``watch(pid, callback)``: the callback gets the wait status synchronously, before the
     future resolves, so a reply can be sent without another loop iteration."""
 
@@ -123,13 +125,19 @@ class Children:
         self.waiting = {}   # pid -> future of its wait status
         self.callbacks = {}
         self.pidfds = {}
+        self.use_pidfds = HAS_PIDFD  # False once SIGCHLD reaps (``reap_on_sigchld``)
+
+    def reap_on_sigchld(self):
+        """Learn of exits by SIGCHLD from now on (PID 1 must reap orphans anyway)."""
+        self.use_pidfds = False
+        self.loop.add_signal_handler(signal.SIGCHLD, self.reap)
 
     def watch(self, pid, callback=None):
         fut = self.loop.create_future()
         self.waiting[pid] = fut
         if callback is not None:
             self.callbacks[pid] = callback
-        if HAS_PIDFD:
+        if self.use_pidfds:
             try:
                 fd = os.pidfd_open(pid)  # novermin (only where HAS_PIDFD)
             except OSError:
@@ -165,8 +173,7 @@ class Children:
             callback(status)  # first: a reply waits on it; the bookkeeping below does not
         fd = self.pidfds.pop(pid, None)
         if fd is not None:
-            self.loop.remove_reader(fd)
-            os.close(fd)
+            self.loop.close_fd(fd)
         if fut is not None and not fut.done():
             fut.set_result(status)
 
@@ -382,6 +389,8 @@ class PipeReader:
 
     def _ready(self):
         """Hand one chunk to ``sink``; False when the pipe has nothing now, or ended."""
+        if self.closed:  # a readiness queued in the iteration that drained and closed it:
+            return False  # its descriptor number may belong to another file by now
         try:
             chunk = os.read(self.fd, self.chunk)
         except (BlockingIOError, InterruptedError):
@@ -403,9 +412,7 @@ class PipeReader:
     def close(self):
         if not self.closed:
             self.closed = True
-            if not self.paused:
-                self.loop.remove_reader(self.fd)
-            os.close(self.fd)
+            self.loop.close_fd(self.fd)
 
 
 async def write_pipe(loop, fd, data):

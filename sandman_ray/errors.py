@@ -98,3 +98,17 @@ class ProviderError(SandmanError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.kind))
+
+
+class NotSupported(ProviderError):
+    """The provider (or this sandbox's kind) cannot do what was asked: a snapshot of a
+    pod, a pause under gVisor. The message names what it would need. Always fatal:
+    asking again changes nothing."""
+
+    def __init__(self, message: str, kind: str = "fatal"):
+        super().__init__(message, "fatal")
+
+
+class SnapshotInUse(SandmanError):
+    """A snapshot cannot be deleted while sandboxes leased from it still run; the
+    message names their leases."""

@@ -11,7 +11,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from sandman_ray.errors import ProviderError, SandmanError
+from sandman_ray.errors import NotSupported, ProviderError, SandmanError
 from sandman_ray.spec import DEFAULT_PACING, SandboxSpec, check_pool_name
 
 # How long a daemon may take to answer the readiness check (connect, ping, ``true``).
@@ -47,6 +47,37 @@ class SandboxInfo:
     spec: Optional[SandboxSpec] = None
     alive: bool = True
     details: Dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A sandbox's files, captured: what ``Provider.snapshot`` makes and the pool owns.
+
+    name: the pool's name for it (unique in the pool).
+    image: the image reference a SandboxSpec takes to start sandboxes from it
+        (``snapshot:<pool>/<name>`` for the LocalProvider, the committed image's
+        reference for the DockerProvider).
+    base: the image the captured sandbox ran (a snapshot's own base, for a snapshot of
+        a sandbox started from a snapshot).
+    size_bytes: what the snapshot holds on disk beyond its base image.
+    node_id: the Ray node whose disk holds it (None: wherever the provider's engine
+        or registry serves it).
+    source: the sandbox it was taken from.
+    created_at: wall-clock seconds when it was taken.
+    """
+
+    name: str
+    image: str
+    base: str
+    size_bytes: int
+    node_id: Optional[str] = None
+    source: str = ""
+    created_at: float = 0.0
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"name": self.name, "image": self.image, "base": self.base,
+                "size_bytes": self.size_bytes, "node_id": self.node_id,
+                "source": self.source, "created_at": self.created_at}
 
 
 def throttled(message: str) -> ProviderError:
@@ -152,6 +183,36 @@ class Provider(abc.ABC):
         """Return the sandbox to the state of a new one (files, processes, a new token),
         keeping its id, and return once its daemon answers."""
         raise fatal("%s cannot reset sandboxes" % type(self).__name__)
+
+    # ---- snapshots and pauses (a provider that has them says so and overrides all)
+    #: True when ``snapshot``, ``delete_snapshot`` and ``snapshots`` work
+    supports_snapshots: bool = False
+
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
+        """Capture the files of ``sandbox_id`` (its writable layer over its image) as
+        the snapshot ``name`` of this pool, which a SandboxSpec's image can then name
+        (``SnapshotInfo.image``). Its processes are not captured. A name this pool
+        already has is a fatal error."""
+        raise NotSupported("%s cannot snapshot sandboxes" % type(self).__name__)
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Remove the snapshot ``name`` of this pool (no sandbox may still run from it);
+        one that is gone already is not an error."""
+        raise NotSupported("%s has no snapshots" % type(self).__name__)
+
+    async def snapshots(self) -> List[SnapshotInfo]:
+        """Every snapshot of this pool the provider keeps (a restarted pool adopts
+        them)."""
+        return []
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Stop every process of the sandbox from running, keeping its memory, until
+        ``resume``. Its daemon is paused too: the pool refuses calls meanwhile."""
+        raise NotSupported("%s cannot pause sandboxes" % type(self).__name__)
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Let a paused sandbox's processes run again where they stopped."""
+        raise NotSupported("%s cannot pause sandboxes" % type(self).__name__)
 
     async def shutdown(self) -> int:
         """Delete every sandbox of the pool, also those still being created; returns

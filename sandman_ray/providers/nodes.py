@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, fatal, transient)
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, fatal, transient)
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class NodeAgentProvider(Provider):
         self._nodes = None  # (when, alive node ids)
         self._closed = False  # shut down: no agent is started any more
         self._creating: Dict[str, bool] = {}  # sandbox id -> deleted while being created
+        self._snapshot_nodes: Dict[str, str] = {}  # a snapshot's image -> its node
 
     def agent_class(self):
         raise NotImplementedError
@@ -90,7 +91,7 @@ class NodeAgentProvider(Provider):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_agents"], state["_where"], state["_nodes"] = {}, {}, None
-        state["_creating"] = {}
+        state["_creating"], state["_snapshot_nodes"] = {}, {}
         return state
 
     # ---- agents
@@ -173,7 +174,8 @@ class NodeAgentProvider(Provider):
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels_given: Dict[str, str]) -> SandboxInfo:
-        node = self._where.get(sandbox_id) or await self._pick_node()
+        node = await self._snapshot_node(spec.image) or self._where.get(sandbox_id) or \
+            await self._pick_node()
         self._where[sandbox_id] = node
         labels = dict(spec.labels)
         labels.update(labels_given)
@@ -245,6 +247,71 @@ class NodeAgentProvider(Provider):
             raise self._agent_gone(node, exc) from exc
         except ProviderError as exc:
             raise unwrapped(exc) from None
+
+    # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
+    async def _node_of(self, sandbox_id: str) -> str:
+        node = self._where.get(sandbox_id)
+        return node if node is not None else (await self.endpoint(sandbox_id)).node_id
+
+    async def _on_agent(self, node: str, method: str, *args):
+        try:
+            return await getattr(self.agent(node), method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            raise self._agent_gone(node, exc) from exc
+        except ProviderError as exc:
+            raise unwrapped(exc) from None
+
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
+        node = await self._node_of(sandbox_id)
+        info = await self._on_agent(node, "snapshot", sandbox_id, name)
+        self._snapshot_nodes[info.image] = node
+        return info
+
+    async def snapshots(self) -> List[SnapshotInfo]:
+        found: List[SnapshotInfo] = []
+        for node_id in await self.alive_nodes():
+            agent = self.existing_agent(node_id)
+            if agent is None:
+                continue
+            try:
+                infos = await agent.snapshots.remote()
+            except ray.exceptions.RayActorError:
+                self._agents.pop(node_id, None)
+                continue
+            for info in infos:
+                self._snapshot_nodes[info.image] = node_id
+            found.extend(infos)
+        return found
+
+    async def delete_snapshot(self, name: str) -> None:
+        for info in await self.snapshots():
+            if info.name == name:
+                await self._on_agent(info.node_id, "delete_snapshot", name)
+                self._snapshot_nodes.pop(info.image, None)
+
+    async def _snapshot_node(self, image: str) -> Optional[str]:
+        """The node holding the snapshot ``image`` (None: not a snapshot). A snapshot's
+        layer lives on the node it was taken on, and the sandboxes started from it run
+        there, wherever the pool would have placed them."""
+        if not self.is_snapshot_image(image):
+            return None
+        node = self._snapshot_nodes.get(image)
+        if node is None:
+            await self.snapshots()
+            node = self._snapshot_nodes.get(image)
+        if node is None:
+            raise fatal("image %r: pool %s has no such snapshot" % (image, self.pool))
+        return node
+
+    def is_snapshot_image(self, image: str) -> bool:
+        """Whether ``image`` names a snapshot this kind of provider takes."""
+        return False
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._on_agent(await self._node_of(sandbox_id), "pause", sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self._on_agent(await self._node_of(sandbox_id), "resume", sandbox_id)
 
     async def shutdown(self) -> int:
         """Delete every sandbox of this pool and stop its agents; no agent starts

@@ -60,22 +60,29 @@ class ImageConfig:
 class PreparedImage:
     """An image ready for sandboxes. ``rootfs`` is None for ``host``; ``digest`` names
     the content; ``unpacked_by`` is ``umoci``, ``skopeo+umoci``, ``sandman`` (the
-    built-in applier) or ``in place``."""
+    built-in applier), ``in place`` or ``snapshot``. ``layers``: read-only layers that
+    stack over ``rootfs``, the upper-most first (a snapshot's, providers/local/
+    snapshots.py); a sandbox's overlay has them all below its writable layer."""
 
     image: str
     rootfs: Optional[Path]
     config: ImageConfig = field(default_factory=ImageConfig)
     digest: str = ""
     unpacked_by: str = "in place"
+    layers: Tuple[Path, ...] = ()
 
 
 class ImageCache:
     """Unpacked images under ``root``; one per digest, shared by every sandbox."""
 
-    def __init__(self, root: Path, prefer_tools: bool = True):
+    def __init__(self, root: Path, prefer_tools: bool = True,
+                 snapshots_root: Optional[Path] = None):
         self.root = Path(root)
         self.prefer_tools = prefer_tools
         self.root.mkdir(parents=True, exist_ok=True)
+        # the pools' snapshots on this node (providers/local/snapshots.py)
+        self.snapshots_root = Path(snapshots_root) if snapshots_root else \
+            self.root.parent / "snapshots"
 
     def prepare(self, image: str) -> PreparedImage:
         """Make ``image`` ready (blocking: call it off the event loop)."""
@@ -88,12 +95,31 @@ class ImageCache:
             if not os.path.isdir(location):
                 raise fatal("image %r: no such directory" % image)
             return PreparedImage(image, Path(location), ImageConfig(), "dir:" + location)
+        if kind == "snapshot":
+            return self._snapshot(image, location)
         if kind == "registry":
             location, tag = self._pull(location)
             kind = "oci"
         if kind == "oci":
             return self._oci(image, Path(location), tag)
         return self._docker_archive(image, Path(location))
+
+    # ---- snapshots: a layer of this node's disk over the image it was taken on
+    def _snapshot(self, image: str, location: str) -> PreparedImage:
+        """A snapshot's layer over its base, itself prepared (a snapshot's base existed
+        before it, so the chain ends)."""
+        from sandman_ray.providers.local.snapshots import SnapshotStore
+        pool, name = location.split("/", 1)
+        store = SnapshotStore(self.snapshots_root, pool)
+        meta = store.meta(name)
+        base = self.prepare(meta["base"])
+        if base.rootfs is None:
+            raise fatal("image %r: its base %r has no rootfs" % (image, meta["base"]))
+        config = meta.get("config") or {}
+        return PreparedImage(image, base.rootfs,
+                             ImageConfig(tuple(config.get("env") or ()),
+                                         config.get("workdir") or "", config.get("user") or ""),
+                             image, "snapshot", (store.path(name) / "layer",) + base.layers)
 
     # ---- OCI layouts
     def _oci(self, image: str, layout: Path, tag: str) -> PreparedImage:

@@ -22,6 +22,14 @@ def check_pool_name(name) -> str:
     return name
 
 
+def check_snapshot_name(name) -> str:
+    """A snapshot's name goes into paths and image references: the rules of a pool's."""
+    if not isinstance(name, str) or not _POOL_NAME.match(name):
+        raise ValueError("snapshot name %r: use 1 to 63 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit" % (name,))
+    return name
+
+
 def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[int]:
     """``512Mi``, ``1G``, ``1.5Gi`` or an int of bytes; None stays None."""
     if value is None:
@@ -72,6 +80,11 @@ def parse_image(image: str) -> Tuple[str, str, str]:
             raise ValueError("image %r: the built-in images are %s"
                              % (image, ", ".join("builtin:" + n for n in BUILTIN_IMAGES)))
         return "builtin", name, ""
+    if image.startswith("snapshot:"):  # a pool's snapshot (sandman_ray.snapshot)
+        pool, sep, name = image[len("snapshot:"):].partition("/")
+        if not sep or not _POOL_NAME.match(pool) or not _POOL_NAME.match(name):
+            raise ValueError("image %r: a snapshot is named snapshot:<pool>/<name>" % image)
+        return "snapshot", pool + "/" + name, ""
     for kind in ("dir", "oci", "docker-archive"):
         if image.startswith(kind + ":"):
             rest = image[len(kind) + 1:]
@@ -86,7 +99,7 @@ def parse_image(image: str) -> Tuple[str, str, str]:
     if "/" in image and not image.startswith("/") and " " not in image:
         return "registry", image, ""
     raise ValueError("image %r is not builtin:debian, host, dir:/path, oci:/path[:tag], "
-                     "docker-archive:/path.tar or a registry reference" % image)
+                     "docker-archive:/path.tar, snapshot:<pool>/<name> or a registry reference" % image)
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class SandboxSpec:
         ``oci:/layout[:tag]``, ``docker-archive:/image.tar``, a registry reference such
         as ``docker.io/library/python:3.12`` (needs skopeo and umoci), or ``host``: a
         read-only view of this machine's files (what any user may read), for trusted
-        code.
+        code; or a pool's snapshot, ``snapshot:<pool>/<name>`` (``sandman_ray.snapshot``).
     cpu: CPU cores the sandbox may use (a quota; None: no limit).
     memory: memory limit, bytes or a size such as ``"512Mi"`` (None: no limit).
     pids: most processes at once (None: no limit).

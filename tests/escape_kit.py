@@ -12,7 +12,9 @@ import pytest
 
 from conftest import Sandbox
 
-IMAGES = ("default", "host", "busybox")
+# "fork": a sandbox started from a snapshot of a default-image sandbox that wrote and
+# deleted files (its overlay stacks the snapshot's layer over the image)
+IMAGES = ("default", "host", "busybox", "fork")
 BOXES = IMAGES + ("docker",)  # and a DockerProvider container of the busybox image
 DOCKER_IMAGE = "localhost/sandman-escape/busybox:1"
 DOCKER_WORK = "/tmp/sandman-ray-test/escape-docker"
@@ -61,11 +63,25 @@ def docker_provider(engine):
 @pytest.fixture(scope="module")
 def boxes(provider, busybox_rootfs):
     """One sandbox of each image, shared by the attacks that do not spoil it: the
-    default (builtin:debian), the host's files, a busybox rootfs."""
+    default (builtin:debian), the host's files, a busybox rootfs, and a fork: a sandbox
+    started from a snapshot of another default one."""
     from sandman_ray.spec import DEFAULT_IMAGE
     with Sandbox(provider, DEFAULT_IMAGE) as default, Sandbox(provider, "host") as host, \
-            Sandbox(provider, "dir:%s" % busybox_rootfs) as busybox:
-        yield {"default": default, "host": host, "busybox": busybox}
+            Sandbox(provider, "dir:%s" % busybox_rootfs) as busybox, \
+            Sandbox(provider, fork_image(provider)) as fork:
+        yield {"default": default, "host": host, "busybox": busybox, "fork": fork}
+
+
+def fork_image(provider) -> str:
+    """A snapshot of a default-image sandbox that made, changed and deleted files (the
+    snapshot's layer holds files, a whiteout and an opaque directory); its image."""
+    from conftest import run
+    from sandman_ray.spec import DEFAULT_IMAGE
+    with Sandbox(provider, DEFAULT_IMAGE) as parent:
+        sh(parent, "mkdir -p /work && echo parent > /work/file && rm /etc/hostname && "
+                   "rm -r /etc/default && mkdir /etc/default && echo new > /etc/default/x")
+        name = "escape-%s" % uuid.uuid4().hex[:6]
+        return run(provider.snapshot(parent.id, name)).image
 
 
 @pytest.fixture(scope="module")

@@ -261,3 +261,36 @@ def test_the_specs_environment_never_reaches_the_host_side_of_the_launch(provide
     with Sandbox(provider, spec) as sb:
         assert sh(sb, "echo $PATH").startswith(str(trap))  # the sandbox's own PATH
     assert not marker.exists()
+
+
+def test_a_snapshot_copies_what_a_sandbox_left_without_following_it(provider):
+    """A hostile sandbox leaves, for its snapshot to copy: a link to the host's
+    /etc/shadow, a link out of the layer, a FIFO, a setuid copy of a shell. The copy
+    follows nothing (links stay links, read in a fork they resolve in the fork's own
+    root), blocks on nothing, and what it wrote on the host's disk only host root may
+    reach."""
+    from conftest import run
+    shadow = open("/etc/shadow", "rb").read()
+    with Sandbox(provider, "builtin:debian") as sb:
+        out = sh(sb, "ln -s /etc/shadow /root/shadow && ln -s ../../../../../../ /root/up && "
+                     "mkfifo /root/fifo && cp /bin/dash /root/suid && chmod 4755 /root/suid && "
+                     "echo left")
+        assert "left" in out
+        name = "hostile-%s" % uuid.uuid4().hex[:6]
+        snap = run(provider.snapshot(sb.id, name))
+    layer = os.path.join(provider.cache_root, "snapshots", provider.pool, name, "layer")
+    assert os.readlink(os.path.join(layer, "root", "shadow")) == "/etc/shadow"
+    assert stat.S_ISFIFO(os.lstat(os.path.join(layer, "root", "fifo")).st_mode)
+    suid = os.path.join(layer, "root", "suid")
+    assert os.stat(suid).st_mode & stat.S_ISUID and os.stat(suid).st_uid == 0
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                        "stat", suid], capture_output=True, text=True)
+    assert r.returncode != 0 and "Permission denied" in r.stderr
+    with Sandbox(provider, snap.image) as fork:
+        seen = fork.client.exec(["cat", "/root/shadow"]).stdout
+        assert seen and seen != shadow  # the image's own shadow file, not the host's
+        assert sh(fork, "ls /root/up/ | grep -c sandman-ray || true").strip() == "0"
+        # run by a user other than root inside, the setuid copy is not root (nosuid)
+        assert sh(fork, "setpriv --reuid 1000 --regid 1000 --clear-groups /root/suid -c "
+                        "'id -u'").strip() == "1000"
+    assert open("/etc/shadow", "rb").read() == shadow

@@ -85,8 +85,10 @@ def test_a_sandbox_with_network_reaches_nothing_of_the_host(request, busybox_roo
     gcs_port = int(ray.get_runtime_context().gcs_address.rpartition(":")[2])
     targets = ["10.0.2.2", "127.0.0.1"] + node_addresses()
     images = {"default": SandboxSpec().image, "host": "host"}
+    if image == "fork":
+        images["fork"] = request.getfixturevalue("boxes")["fork"].spec.image
     spec = SandboxSpec(image=images.get(image, location), network=True)
-    shell = "busybox" if image == "docker" else image
+    shell = {"docker": "busybox", "fork": "default"}.get(image, image)
     before = len(accepted)
     with Sandbox(where, spec) as sb:
         out = sh(sb, connect(shell, targets, port))

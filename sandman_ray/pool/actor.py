@@ -106,6 +106,26 @@ class PoolActor:
         stops answering: the pool's word may still be on its way); None otherwise."""
         return (await self._started()).ended.get(lease_id)
 
+    # ---- snapshots, warm targets, pauses (pool/snapshots.py)
+    async def snapshot(self, lease_id: str, holder: Optional[str], name: Optional[str] = None,
+                       for_fork: bool = False) -> dict:
+        return await (await self._started()).snapshot(lease_id, holder, name, for_fork)
+
+    async def snapshots(self) -> List[dict]:
+        return (await self._started()).snapshot_list()
+
+    async def delete_snapshot(self, name_or_image: str) -> bool:
+        return await (await self._started()).delete_snapshot(name_or_image)
+
+    async def set_warm(self, spec, count: int) -> dict:
+        return (await self._started()).set_warm(spec, count)
+
+    async def pause(self, lease_id: str, holder: Optional[str]) -> bool:
+        return await (await self._started()).pause(lease_id, holder)
+
+    async def resume(self, lease_id: str, holder: Optional[str]) -> bool:
+        return await (await self._started()).resume(lease_id, holder)
+
     # ---- questions and operations
     async def status(self) -> dict:
         return (await self._started()).status()

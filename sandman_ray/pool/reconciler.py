@@ -32,6 +32,7 @@ from typing import Deque, Dict, List, Optional
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.records import Records
+from sandman_ray.pool.snapshots import SnapshotOps
 from sandman_ray.pool.states import EndedLeases, Lease, Sandbox, State
 from sandman_ray.pool.waiters import FairQueue, Waiter
 from sandman_ray.providers.base import POOL_LABEL, Provider
@@ -53,7 +54,7 @@ INVENTORY_INTERVAL_S = 5.0
 NODE_CHECK_S = 1.0     # how often the pool asks which Ray nodes are alive
 
 
-class Reconciler:
+class Reconciler(SnapshotOps):
     def __init__(self, name: str, config: PoolConfig, provider: Provider, cluster, clock,
                  metrics):
         self.name, self.config, self.provider = name, config, provider
@@ -72,6 +73,7 @@ class Reconciler:
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.ended = EndedLeases()  # for hosts that ask why_ended
         self.wake: Optional[asyncio.Event] = None
+        self._init_snapshots()
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -322,6 +324,7 @@ class Reconciler:
                 self.cluster.tell_host(rec.holder, rec.lease.lease_id,
                                        "%s (pool %s)" % (reason, self.name))
         self.records.end_lease(rec)
+        rec.paused = False  # the provider's reset or delete thaws it
         if reuse:
             self._to(rec, State.RELEASING, reason)
         self.kick()
@@ -519,6 +522,7 @@ class Reconciler:
         self.metrics.deleted(reason)
         self._to(rec, State.GONE, reason)
         self.records.drop(rec)
+        self._forget_fork_snapshot(rec.spec.image)
         self.kick()
 
     async def _provider_delete(self, sandbox_id: str) -> None:
@@ -552,6 +556,8 @@ class Reconciler:
                 "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
                 "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
                 "leases_per_client": dict(self.records.per_client),
+                "snapshots": len(self.snapshots),
+                "snapshot_bytes": sum(i.size_bytes for i in self.snapshots.values()),
                 "create_starts": list(self.create_starts)[-1000:]}
 
     def sandboxes(self) -> List[dict]:
@@ -608,7 +614,7 @@ class Reconciler:
         idle = rec.spec.idle_timeout_s or self.config.idle_timeout_s
         if ttl and now - rec.leased_at > ttl:
             return "the lease outlived its TTL of %g s" % ttl
-        if idle and now - rec.last_used > idle:
+        if idle and now - rec.last_used > idle and not rec.paused:
             return "the lease was idle for %g s" % idle
         return None
 
@@ -660,7 +666,8 @@ class Reconciler:
         await asyncio.gather(*(self._delete(r, "pool shutdown") for r in recs),
                              return_exceptions=True)
         try:
-            await self.provider.shutdown()
+            await self.provider.shutdown()  # the pool's snapshots with its sandboxes
+            self.snapshots.clear()
         finally:
             await self.provider.close()
         return len(recs)
@@ -671,6 +678,10 @@ class Reconciler:
         live hosts hold go on (the hosts are the pool's record of them); every other
         sandbox is started afresh (a new token) before anyone is lent it, since it may
         have served a lease no host had taken yet."""
+        try:
+            await self.recover_snapshots()
+        except Exception as exc:  # noqa: BLE001 - listed again by the next call that needs them
+            logger.warning("pool %s: its snapshots could not be listed: %s", self.name, exc)
         infos = await self.provider.list({POOL_LABEL: self.name})
         if not infos:
             return

@@ -120,6 +120,7 @@ class Sandbox:
     attempts: int = 0
     node_hint: Optional[str] = None  # the node it is created on for a waiter, if any
     indexed_node: Optional[str] = None  # the node Records indexes it under (its state's)
+    paused: bool = False           # its holder paused it (pool/snapshots.py)
 
     @property
     def node(self) -> Optional[str]:

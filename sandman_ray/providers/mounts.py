@@ -86,13 +86,16 @@ def detached_tmpfs(size: int, uid: int = 0, gid: int = 0, mode: int = 0o755) -> 
         os.close(fs)
 
 
-def detached_overlay(lower: int, upper: int, work: int) -> int:
+def detached_overlay(lower, upper: int, work: int) -> int:
     """A new, detached, nosuid, nodev overlay of the directories open as ``lower``
-    (read-only), ``upper`` and ``work`` (one filesystem), given by descriptor: any of
-    them may be a detached mount."""
+    (read-only: one descriptor, or a list of them, the upper-most first), ``upper`` and
+    ``work`` (one filesystem), given by descriptor: any of them may be a detached
+    mount."""
+    lowers = [lower] if isinstance(lower, int) else list(lower)
     fs = _syscall(_FSOPEN, b"overlay", 1)
     try:
-        for key, fd in ((b"lowerdir+", lower), (b"upperdir", upper), (b"workdir", work)):
+        for key, fd in [(b"lowerdir+", fd) for fd in lowers] + [(b"upperdir", upper),
+                                                                 (b"workdir", work)]:
             _syscall(_FSCONFIG, fs, _FSCONFIG_SET_FD, key, None, fd)
         _syscall(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
         return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)

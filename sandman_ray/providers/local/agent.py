@@ -14,8 +14,9 @@ from typing import Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
-from sandman_ray.providers.base import SandboxInfo, check_answers, fatal, transient
+from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
+from sandman_ray.providers.base import (
+    SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
 from sandman_ray.providers.network import ray_node_addresses
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
@@ -56,7 +57,10 @@ class NodeAgent:
         self.state.mkdir(parents=True, exist_ok=True)
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
-        self.images = ImageCache(cache / "images", prefer_tools=prefer_tools)
+        self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
+                                 snapshots_root=cache / "snapshots")
+        from sandman_ray.providers.local.snapshots import SnapshotStore
+        self.snapshot_store = SnapshotStore(cache / "snapshots", pool)
         # An agent that is not root runs each sandbox in a user namespace of its own uid
         # alone (bwrap.SandboxProcess, unprivileged): no ranges, no cgroups
         self.unprivileged = os.geteuid() != 0
@@ -204,6 +208,8 @@ class NodeAgent:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
+        if sandbox.cgroups is not None:  # a lease that ended paused: its daemon must answer
+            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.thaw)
         if sandbox.renewable and sandbox.layer is not None:
             from sandman_ray.providers.local.renew import NamespaceThread
             self.renewing = self.renewing or NamespaceThread()
@@ -225,6 +231,84 @@ class NodeAgent:
             asyncio.get_running_loop().run_in_executor(None, self._prepare, sandbox)
         return self._info(sandbox_id)
 
+    # ---- snapshots and pauses
+    def _sandbox(self, sandbox_id: str, op: str):
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise fatal("%s: sandbox %s does not exist on node %s"
+                        % (op, sandbox_id, self.node_id))
+        return sandbox
+
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
+        """Copy the sandbox's writable layer as snapshot ``name`` of this pool
+        (providers/local/snapshots.py), the sandbox frozen meanwhile so the copy is of
+        one moment (it runs on afterwards; a sandbox the user paused stays paused)."""
+        from sandman_ray.providers.local.snapshots import check_name, not_supported, unsupported_why
+        sandbox = self._sandbox(sandbox_id, "snapshot")
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise fatal(str(exc)) from None
+        if unsupported_why(sandbox) is not None:
+            raise not_supported(sandbox)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._capture, sandbox, name)
+
+    def _capture(self, sandbox, name: str) -> SnapshotInfo:
+        groups = sandbox.cgroups
+        was_frozen = groups is not None and groups.frozen()
+        if groups is not None and not was_frozen:
+            try:
+                groups.freeze()
+            except OSError as exc:  # no freezer here: a copy of a running sandbox
+                logger.info("pool %s: snapshot of %s without freezing it: %s", self.pool,
+                            sandbox.sandbox_id, exc)
+        try:
+            upper = sandbox.open_upper()
+            try:
+                return self.snapshot_store.capture(
+                    upper, name, sandbox.ids.base if sandbox.ids is not None else 0,
+                    sandbox.image, sandbox.sandbox_id, self.node_id)
+            finally:
+                os.close(upper)
+        finally:
+            if groups is not None and not was_frozen:
+                groups.thaw()
+
+    async def snapshots(self) -> List[SnapshotInfo]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.list)
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Remove snapshot ``name``; SnapshotInUse while a sandbox of this agent runs
+        from it (its overlay reads the layer) or another snapshot stacks on it."""
+        from sandman_ray.errors import SnapshotInUse
+        from sandman_ray.providers.local.snapshots import image_ref
+        ref = image_ref(self.pool, name)
+        layer = self.snapshot_store.path(name) / "layer"
+        users = sorted(sid for sid, sb in self.sandboxes.items() if layer in sb.image.layers)
+        if users:
+            raise SnapshotInUse("snapshot %s: sandbox(es) %s still run from it"
+                                % (ref, ", ".join(users)))
+        await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete, name)
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox (the cgroup freezer): no CPU, memory kept."""
+        sandbox = self._sandbox(sandbox_id, "pause")
+        if sandbox.cgroups is None or sandbox.cgroups._freezer() is None:
+            raise NotSupported("pause of sandbox %s needs a freezer cgroup, which this "
+                               "agent has not (an agent that is not root, or a host "
+                               "without the freezer)" % sandbox_id)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.freeze)
+        except OSError as exc:
+            sandbox.cgroups.thaw()
+            raise transient("pause of sandbox %s: %s" % (sandbox_id, exc)) from exc
+
+    async def resume(self, sandbox_id: str) -> None:
+        sandbox = self._sandbox(sandbox_id, "resume")
+        if sandbox.cgroups is not None:
+            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.thaw)
+
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()
         return [self._info(sid) for sid, own in self.labels.items()
@@ -241,6 +325,8 @@ class NodeAgent:
         from sandman_ray.providers.janitor import clean
         await asyncio.get_running_loop().run_in_executor(
             None, clean, str(self.state), self.cgroup_dirs, 0.0)
+        # the pool's snapshots on this node go with it
+        await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete_all)
         if self.ranges is not None:
             self.ranges.close()
         return len(ids)

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
-from sandman_ray.errors import ProviderError, SandboxLost
+from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
 from sandman_ray.providers.local import renew, seccomp
 from sandman_ray.providers.local.cgroups import Cgroups, rlimits
@@ -237,6 +237,9 @@ class SandboxProcess(renew.Renewable):
         self.slot = 0  # the slot (renew.SLOTS) of the generation the daemon runs in
         self.layer: Optional[renew.Layer] = None  # the next generation, made ahead
         self.renewed = 0  # renews since this start
+        # the current generation's writable layer (a detached tmpfs) and the path of
+        # its upper directory in it, kept open for snapshots (providers/local/snapshots.py)
+        self.writable: Optional[tuple] = None
 
     @property
     def address(self) -> str:
@@ -385,6 +388,9 @@ class SandboxProcess(renew.Renewable):
             self.cgroups.create(self.spec)
         self.applied = dict(self.cgroups.applied) if self.cgroups else {}
         mounts = self._mounts()  # first: they may fail, and nothing else is open yet
+        if "layer" in mounts:
+            self.hold_writable(os.dup(mounts["layer"]),
+                               self.state_dir.relative_to(self.view_root) / "upper")
         try:
             (self.state_dir / "fstab").write_text(self._fstab(mounts))
             self.token = secrets.token_hex(16)  # a new credential for every start
@@ -472,6 +478,10 @@ class SandboxProcess(renew.Renewable):
         launch's shell uses 6 for the bundle, which it opens itself (a clone of a
         directory of this namespace would not bind in the launch's)."""
         if self.unprivileged:  # the launch mounts them itself, in its user namespace
+            if self.image.layers:
+                raise NotSupported("sandbox %s: a snapshot's image needs an agent that runs "
+                                   "as root (this one runs as uid %d)"
+                                   % (self.sandbox_id, os.geteuid()))
             return {}
         base = self.ids.base if self.ids is not None else 0
         made: Dict[str, int] = {}
@@ -493,14 +503,38 @@ class SandboxProcess(renew.Renewable):
                 with os.fdopen(conf, "w") as fh:
                     fh.write(RESOLV_CONF)
             if self.image.rootfs is not None:
-                made["lower"] = (self.ids.idmapped(self.image.rootfs) if self.ids is not None
-                                 else detached_tree(self.image.rootfs, readonly=True))
+                for index, path in enumerate(self.image.layers):  # a snapshot's, above it
+                    made["snapshot%d" % index] = self._lower(path)
+                made["lower"] = self._lower(self.image.rootfs)
             for name in list(made):
                 made[name] = _high(made[name])
         except BaseException:
             _close(made.values())
             raise
         return made
+
+    def _lower(self, path: Path) -> int:
+        """A read-only detached mount of ``path``, idmapped to the sandbox's range when
+        it has one."""
+        return (self.ids.idmapped(path) if self.ids is not None
+                else detached_tree(path, readonly=True))
+
+    def hold_writable(self, tmpfs: int, upper) -> None:
+        """Keep ``tmpfs``, the current generation's writable layer, open (the old one
+        closed): a snapshot reads ``upper`` in it."""
+        self.drop_writable()
+        self.writable = (tmpfs, str(upper))
+
+    def drop_writable(self) -> None:
+        if self.writable is not None:
+            os.close(self.writable[0])
+            self.writable = None
+
+    def open_upper(self) -> int:
+        """The upper directory of the current generation, open (the caller closes it)."""
+        tmpfs, upper = self.writable
+        return os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=tmpfs)
 
     def _fstab(self, mounts: Dict[str, int]) -> str:
         """What the launch attaches, in order (``mount -a -T``)."""
@@ -513,9 +547,12 @@ class SandboxProcess(renew.Renewable):
         else:
             lines = ["/proc/self/fd/%d %s none bind 0 0" % (mounts["layer"],
                                                            fstab_path(self.view_root))]
-        if "lower" in mounts:  # the launch's stdin
-            lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=/proc/self/fd/0,"
-                         "upperdir=%s/upper,workdir=%s/work 0 0" % (st, st, st))
+        if "lower" in mounts:  # the launch's stdin, under the snapshots' layers if any
+            lowers = ["/proc/self/fd/%d" % mounts["snapshot%d" % i]
+                      for i in range(len(self.image.layers))] + ["/proc/self/fd/0"]
+            lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=%s,"
+                         "upperdir=%s/upper,workdir=%s/work 0 0"
+                         % (st, ":".join(lowers), st, st))
         lines.append("/proc/self/fd/6 %s/bundle none bind,ro 0 0" % st)  # the launch's
         return "\n".join(lines) + "\n"
 
@@ -638,7 +675,11 @@ class SandboxProcess(renew.Renewable):
 
     def kill(self) -> None:
         """Stop the sandbox: SIGKILL to bwrap takes its pid namespace (every process of
-        the sandbox) and its mount namespace (the overlay) with it."""
+        the sandbox) and its mount namespace (the overlay) with it. A paused sandbox is
+        thawed first (a frozen process does not die)."""
+        self.drop_writable()
+        if self.cgroups is not None:
+            self.cgroups.thaw()
         if self.proc is None:
             return
         if self.proc.poll() is None:

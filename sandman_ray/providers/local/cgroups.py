@@ -9,6 +9,8 @@ from typing import Dict, List, Optional
 from sandman_ray.spec import SandboxSpec
 
 CONTROLLERS = ("memory", "pids", "cpu")
+# v1 hierarchies a sandbox's groups live in: the limits' and the freezer's (pause)
+HIERARCHIES = CONTROLLERS + ("freezer",)
 
 
 class Cgroups:
@@ -40,7 +42,7 @@ class Cgroups:
         the v2 hierarchy."""
         if cls.unified():
             return [str(cls.ROOT / group)]
-        return [str(cls.ROOT / c / group) for c in CONTROLLERS]
+        return [str(cls.ROOT / c / group) for c in HIERARCHIES]
 
     def create(self, spec: SandboxSpec) -> None:
         wanted = {"memory": spec.memory, "pids": spec.pids, "cpu": spec.cpu}
@@ -70,6 +72,12 @@ class Cgroups:
                 _write(path / "cpu.cfs_period_us", 100000)
                 _write(path / "cpu.cfs_quota_us", int(value * 100000))
             self.applied[controller] = "cgroup-v1"
+        self._freezer_v1()
+
+    def _freezer_v1(self) -> None:
+        """The freezer group that ``freeze`` uses (v1; enforces nothing)."""
+        if os.access(self.ROOT / "freezer", os.W_OK):
+            self._track(self.ROOT / "freezer" / self.group)
 
     def _create_v2(self, wanted) -> None:
         root = self.ROOT
@@ -105,6 +113,65 @@ class Cgroups:
             return
         self.dirs.append(path)
         self.tracking.append(path)
+
+    # ---- pause: the freezer (v1 freezer.state, v2 cgroup.freeze)
+    def _freezer(self) -> Optional[Path]:
+        """The group ``freeze`` writes: v1's freezer group, or the v2 group."""
+        for path in self.dirs:
+            if path.relative_to(self.ROOT).parts[0] == "freezer" or \
+                    (path / "cgroup.freeze").exists():
+                return path
+        return None
+
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """Stop every process of the sandbox where it is (its memory stays); returns once
+        the kernel says all are frozen. OSError where the host has no freezer."""
+        path = self._freezer()
+        if path is None:
+            raise OSError(errno.ENOTSUP, "no freezer cgroup for %s" % self.group)
+        if (path / "cgroup.freeze").exists():
+            _write(path / "cgroup.freeze", 1)
+            self._until(lambda: "frozen 1" in (path / "cgroup.events").read_text(), timeout_s)
+        else:
+            _write(path / "freezer.state", "FROZEN")
+            self._until(lambda: (path / "freezer.state").read_text().strip() == "FROZEN",
+                        timeout_s)
+
+    def thaw(self) -> None:
+        """Let a frozen sandbox run again (nothing where it is not frozen)."""
+        path = self._freezer()
+        if path is None:
+            return
+        try:
+            if (path / "cgroup.freeze").exists():
+                _write(path / "cgroup.freeze", 0)
+            else:
+                _write(path / "freezer.state", "THAWED")
+        except OSError:
+            pass  # removed meanwhile
+
+    def frozen(self) -> bool:
+        path = self._freezer()
+        if path is None:
+            return False
+        try:
+            if (path / "cgroup.freeze").exists():
+                return (path / "cgroup.freeze").read_text().strip() == "1"
+            return (path / "freezer.state").read_text().strip() != "THAWED"
+        except OSError:
+            return False
+
+    @staticmethod
+    def _until(done, timeout_s: float) -> None:
+        """Poll the kernel's word (FREEZING becomes FROZEN once every task stopped)."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        while not done():
+            if time.monotonic() > deadline:
+                raise OSError(errno.ETIMEDOUT, "the freezer did not settle in %.0f s" % timeout_s)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def oom_counter(self) -> Optional[Path]:
         """The file holding the OOM kill count of the sandbox's memory group, if it has

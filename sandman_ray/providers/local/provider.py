@@ -55,6 +55,7 @@ class LocalProvider(NodeAgentProvider):
     """
 
     supports_reset = True
+    supports_snapshots = True
     agent_kind = "agent"
     # No shared control plane: each create goes to the agent on a node of this cluster,
     # and what bounds it is that node's CPU (the bucket still backs off when creates
@@ -77,6 +78,9 @@ class LocalProvider(NodeAgentProvider):
 
     def agent_class(self):
         return NodeAgent
+
+    def is_snapshot_image(self, image: str) -> bool:
+        return image.startswith("snapshot:")
 
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,

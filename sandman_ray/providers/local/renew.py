@@ -90,7 +90,7 @@ class Renewable:
     def prepare_layer(self) -> None:
         """Make the next generation ahead of time."""
         if self.layer is None and self.renewable:
-            self.layer = Layer.prepare(self.image.rootfs, self.ids, self.disk_bytes())
+            self.layer = Layer.prepare(self.image, self.ids, self.disk_bytes())
 
     def drop_layer(self) -> None:
         if self.layer is not None:
@@ -129,6 +129,7 @@ class Renewable:
                 await asyncio.wrap_future(thread.run(
                     swap, thread, self.proc, self.daemon_pid(), self.renewed == 0,
                     str(self.view_root), SLOTS[self.slot], SLOTS[new], layer))
+                self.hold_writable(layer.take_tmpfs(), "upper")
             finally:
                 layer.close()
             token, admin = secrets.token_hex(16), secrets.token_hex(16)
@@ -152,18 +153,19 @@ class Layer:
     """A generation made ahead of time, in no namespace: its overlay and /dev/shm, as
     descriptors of detached mounts."""
 
-    def __init__(self, overlay: int, shm: int):
-        self.overlay, self.shm = overlay, shm
+    def __init__(self, overlay: int, shm: int, tmpfs: int):
+        self.overlay, self.shm, self.tmpfs = overlay, shm, tmpfs
 
     @classmethod
-    def prepare(cls, rootfs, ids, disk: int) -> "Layer":
+    def prepare(cls, image, ids, disk: int) -> "Layer":
         """A new writable layer (``disk`` bytes, owned by the range's root) over the
-        image at ``rootfs``, idmapped to the range ``ids``."""
+        PreparedImage ``image`` (its rootfs, under its snapshots' layers if any),
+        idmapped to the range ``ids``."""
         base = ids.base
         made = []
+        layer = None
         try:
             layer = mounts.detached_tmpfs(disk, base, base)
-            made.append(layer)
             for sub in ("upper", "work"):
                 os.mkdir(sub, 0o755, dir_fd=layer)
                 os.chown(sub, base, base, dir_fd=layer)
@@ -175,21 +177,34 @@ class Layer:
             made.append(upper)
             work = os.open("work", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=layer)
             made.append(work)
-            lower = ids.idmapped(rootfs)
-            made.append(lower)
-            overlay = mounts.detached_overlay(lower, upper, work)
+            lowers = []
+            for path in tuple(image.layers) + (image.rootfs,):  # the upper-most first
+                lowers.append(ids.idmapped(path))
+                made.append(lowers[-1])
+            overlay = mounts.detached_overlay(lowers, upper, work)
             try:
                 shm = mounts.detached_tmpfs(SHM_SIZE, base, base, mode=0o1777)
             except BaseException:
                 os.close(overlay)
                 raise
+        except BaseException:
+            if layer is not None:
+                os.close(layer)
+            raise
         finally:
             for fd in made:  # the overlay holds what it needs of them
                 os.close(fd)
-        return cls(overlay, shm)
+        return cls(overlay, shm, layer)
+
+    def take_tmpfs(self) -> int:
+        """The writable layer's tmpfs, for the sandbox to keep (``hold_writable``)."""
+        tmpfs, self.tmpfs = self.tmpfs, None
+        return tmpfs
 
     def close(self) -> None:
-        for fd in (self.overlay, self.shm):
+        for fd in (self.overlay, self.shm, self.tmpfs):
+            if fd is None:
+                continue
             try:
                 os.close(fd)
             except OSError:

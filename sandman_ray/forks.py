@@ -1,0 +1,139 @@
+"""Snapshots, forks and pauses: one prepared state, many rollouts.
+
+    snap = sandman.snapshot(sb)              # "snapshot:<pool>/<name>": an image
+    sandman.set_warm(snap, 8)                # 8 sandboxes of it kept READY
+    forks = sandman.fork(sb, 8)              # 8 leases that start from sb's files
+    sandman.pause(sb); sandman.resume(sb)    # frozen: no CPU, memory kept
+
+A snapshot is the sandbox's files (its writable layer over its image), owned by the
+sandbox's pool: listed with its size (``snapshots``), deleted by ``delete_snapshot``,
+and all of them with the pool. A fork is a snapshot plus ``n`` acquires of it, paced
+and owned like any other: each fork is a lease of its own, independent afterwards,
+and starts in the working directory and with the exported variables of ``sb``'s
+default session (``sb.run``). Processes are not carried: a fork starts with its
+daemon alone. The snapshot a fork takes is deleted with the last sandbox started from
+it (``keep_snapshot=True`` keeps it).
+
+A paused lease is not reclaimed for idleness, but its TTL still runs; calls to its
+daemon wait until ``resume`` (its daemon is frozen too). Releasing a paused sandbox
+thaws it before it is reset for the next holder.
+"""
+
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
+
+import ray
+
+from sandman_ray.api import SpecLike, acquire, get_pool, release
+from sandman_ray.handle import SandboxHandle
+from sandman_ray.spec import SandboxSpec
+
+FORK_THREADS = 32  # acquires (and session replays) of one fork at once
+
+
+def _pool_of(handle: SandboxHandle):
+    if not isinstance(handle, SandboxHandle):
+        raise TypeError("expected a SandboxHandle (from sandman_ray.acquire), got %r"
+                        % (handle,))
+    return get_pool(handle.pool)
+
+
+def snapshot(handle: SandboxHandle, name: Optional[str] = None) -> str:
+    """Capture ``handle``'s files as a snapshot of its pool; the image reference that
+    starts sandboxes from it (``SandboxSpec(image=...)``, ``acquire(...)``). ``name``:
+    1 to 63 letters, digits, '.', '_' or '-' (default: a new one)."""
+    info = ray.get(_pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, name))
+    return info["image"]
+
+
+def snapshots(pool: str = "default") -> List[dict]:
+    """The pool's snapshots: name, image, base, size_bytes, node_id, source,
+    created_at, and the sandboxes started from each (``sandboxes``)."""
+    return ray.get(get_pool(pool).snapshots.remote())
+
+
+def delete_snapshot(snapshot: str, pool: Optional[str] = None) -> None:
+    """Delete a snapshot (its image reference, or its name in ``pool``), its warm
+    target and the idle sandboxes started from it. SnapshotInUse while a lease holds
+    one of them."""
+    if pool is None:
+        if not snapshot.startswith("snapshot:"):
+            raise ValueError("delete_snapshot(%r): give the snapshot's image reference "
+                             "(snapshot:<pool>/<name>) or its pool" % (snapshot,))
+        pool = snapshot[len("snapshot:"):].partition("/")[0]
+    ray.get(get_pool(pool).delete_snapshot.remote(snapshot))
+
+
+def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
+    """Keep ``count`` READY sandboxes of ``spec`` (an image, a snapshot's included, or
+    a SandboxSpec) in the pool from now on; 0 stops. The pool of a snapshot is its own
+    by default. Returns the pool's warm targets by image."""
+    image = spec if isinstance(spec, str) else SandboxSpec.of(spec).image
+    if pool is None:
+        pool = image[len("snapshot:"):].partition("/")[0] \
+            if image.startswith("snapshot:") else "default"
+    return ray.get(get_pool(pool).set_warm.remote(spec, count))
+
+
+def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
+         keep_snapshot: bool = False) -> List[SandboxHandle]:
+    """``n`` new leased sandboxes that start from ``handle``'s files, in the working
+    directory and with the exported variables of its default session; each is
+    released like any other. All or none: when one cannot be acquired within
+    ``timeout``, those acquired are released and the error is raised."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
+    state = _session_state(handle)
+    info = ray.get(_pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, None,
+                                                    not keep_snapshot))
+    spec = SandboxSpec.from_dict(dict(info["spec"], image=info["image"]))
+    forks: List[SandboxHandle] = []
+    with ThreadPoolExecutor(min(n, FORK_THREADS)) as pool:
+        futures = [pool.submit(acquire, spec, handle.pool, timeout) for _ in range(n)]
+        errors = []
+        for future in futures:
+            try:
+                forks.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - raised below, after the cleanup
+                errors.append(exc)
+        if not errors and state:
+            replays = [pool.submit(_replay, sb, state) for sb in forks]
+            for future in replays:
+                try:
+                    future.result()
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+    if errors:
+        for sb in forks:
+            release(sb)
+        raise errors[0]
+    return forks
+
+
+def _session_state(handle: SandboxHandle) -> str:
+    """The shell lines that bring a new default session to where ``handle``'s is: its
+    working directory and exported variables (``export -p``, which the same shell
+    reads back)."""
+    result = handle.run("pwd; export -p")
+    if result.exit_code != 0:
+        return ""
+    cwd, _, exports = result.stdout.decode("utf-8", "surrogateescape").partition("\n")
+    return "cd -- %s\n%s" % (shlex.quote(cwd), exports)
+
+
+def _replay(sb: SandboxHandle, state: str) -> None:
+    result = sb.run(state)
+    if result.exit_code != 0:
+        raise RuntimeError("fork %s: its session did not take its parent's working "
+                           "directory and variables: %s" % (sb.sandbox, result.stderr[-500:]))
+
+
+def pause(handle: SandboxHandle) -> None:
+    """Freeze every process of the sandbox (no CPU; memory kept) until ``resume``."""
+    ray.get(_pool_of(handle).pause.remote(handle.lease_id, handle._host_name))
+
+
+def resume(handle: SandboxHandle) -> None:
+    """Let a paused sandbox's processes run again where they stopped."""
+    ray.get(_pool_of(handle).resume.remote(handle.lease_id, handle._host_name))

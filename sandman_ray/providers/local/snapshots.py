@@ -1,0 +1,272 @@
+"""Snapshots of LocalProvider sandboxes: a sandbox's writable layer, copied to its
+node's disk as a read-only layer that stacks over the sandbox's image.
+
+A sandbox's files are an overlay: its image (shared, read-only) under a writable layer
+of its own (a tmpfs). A snapshot copies that writable layer, and only it, to::
+
+    <cache root>/snapshots/<pool>/<name>/layer       the layer, owners as in an image
+    <cache root>/snapshots/<pool>/<name>/meta.json   its base image and config, size
+
+and names it ``snapshot:<pool>/<name>``: a sandbox started from it has the overlay
+``layer`` over the base image's own layers (``ImageCache.prepare``), with no copy of
+the image. A snapshot of a sandbox started from a snapshot stacks one more layer.
+
+The layer is copied as the overlay left it: files, directories, symlinks and FIFOs
+with their modes, owners and times; whiteouts (character devices 0/0) and opaque
+directories (``trusted.overlay.opaque``), which hide the image's files the sandbox
+deleted; ``user.*`` extended attributes. Files are copied with ``copy_file_range``.
+Owners are shifted from the sandbox's range of host ids to the image's (root inside,
+host uid ``base``, is stored as 0), so the layer is idmapped to each new sandbox's
+range as images are. Not copied: sockets, other device nodes (no sandbox can make
+one), file capabilities and other ``security.*`` attributes; hard links become
+separate files. Every path is opened below a directory descriptor without following
+symbolic links: what the sandbox left cannot point the copy anywhere else.
+
+Processes are not captured (CRIU fails on this kernel): a sandbox started from a
+snapshot starts with its daemon alone.
+
+Layers live on the node where they were taken; the sandboxes started from one run on
+that node (``NodeAgentProvider._snapshot_node``).
+"""
+
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from sandman_ray.errors import NotSupported, SnapshotInUse
+from sandman_ray.providers.base import SnapshotInfo, fatal
+from sandman_ray.spec import check_snapshot_name as check_name
+
+PREFIX = "snapshot:"
+_COPIED_XATTRS = ("trusted.overlay.opaque",)  # and every user.* one
+_IDS = 65536  # ids of a sandbox's range
+_CHUNK = 1 << 30
+
+
+def image_ref(pool: str, name: str) -> str:
+    return "%s%s/%s" % (PREFIX, pool, name)
+
+
+def parse_ref(image: str):
+    """(pool, name) of ``snapshot:<pool>/<name>``; ValueError naming the problem."""
+    pool, sep, name = image[len(PREFIX):].partition("/")
+    if not image.startswith(PREFIX) or not sep:
+        raise ValueError("image %r: a snapshot is named snapshot:<pool>/<name>" % image)
+    check_name(name)
+    return pool, name
+
+
+class SnapshotStore:
+    """The snapshots of one pool on this node, under ``root`` (<cache>/snapshots)."""
+
+    def __init__(self, root: Path, pool: str):
+        self.root = Path(root)
+        self.pool = pool
+        self.dir = self.root / pool
+
+    def path(self, name: str) -> Path:
+        return self.dir / check_name(name)
+
+    def capture(self, upper_fd: int, name: str, base_id: int, image, source: str,
+                node_id: Optional[str]) -> SnapshotInfo:
+        """Copy the upper directory open as ``upper_fd`` (a sandbox whose root inside
+        is host id ``base_id``, started from the PreparedImage ``image``) as snapshot
+        ``name``. Blocking: the agent runs it on a thread, with the sandbox frozen."""
+        dest = self.path(name)
+        if dest.exists():
+            raise fatal("pool %s already has a snapshot named %r" % (self.pool, name))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        building = self.dir / (".building-%s-%d" % (name, os.getpid()))
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(mode=0o700)
+        try:
+            (building / "layer").mkdir(mode=0o755)
+            layer = os.open(building / "layer", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                size = copy_layer(upper_fd, layer, base_id)
+            finally:
+                os.close(layer)
+            info = SnapshotInfo(name=name, image=image_ref(self.pool, name), base=image.image,
+                                size_bytes=size, node_id=node_id, source=source,
+                                created_at=time.time())
+            meta = dict(info.to_dict(), config={"env": list(image.config.env),
+                                                "workdir": image.config.workdir,
+                                                "user": image.config.user})
+            (building / "meta.json").write_text(json.dumps(meta))
+            os.rename(building, dest)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        return info
+
+    def meta(self, name: str) -> dict:
+        try:
+            return json.loads((self.path(name) / "meta.json").read_text())
+        except FileNotFoundError:
+            raise fatal("pool %s has no snapshot named %r on this node"
+                        % (self.pool, name)) from None
+
+    def list(self) -> List[SnapshotInfo]:
+        found = []
+        for entry in sorted(self.dir.glob("*/meta.json")):
+            try:
+                meta = json.loads(entry.read_text())
+            except (OSError, ValueError):
+                continue
+            meta.pop("config", None)
+            found.append(SnapshotInfo(**meta))
+        return found
+
+    def delete(self, name: str) -> None:
+        """Remove snapshot ``name``; SnapshotInUse while another snapshot of the pool
+        stacks on it. (Its sandboxes are the agent's to check.)"""
+        ref = image_ref(self.pool, name)
+        above = [info.name for info in self.list() if info.base == ref]
+        if above:
+            raise SnapshotInUse("snapshot %s is the base of snapshot(s) %s: delete those first"
+                                % (ref, ", ".join(above)))
+        target = self.path(name)
+        if not target.exists():
+            return
+        doomed = self.dir / (".deleting-%s-%d" % (name, os.getpid()))
+        os.rename(target, doomed)  # gone from listings at once
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def delete_all(self) -> int:
+        """Remove every snapshot of the pool on this node (its pool is shut down)."""
+        count = len(self.list())
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return count
+
+
+def copy_layer(src: int, dst: int, base_id: int) -> int:
+    """Copy the tree below the directory ``src`` into the empty directory ``dst``
+    (both descriptors), owners shifted down by ``base_id``; the bytes of file data
+    copied. Iterative (a deep tree cannot exhaust the stack); the root's own mode and
+    owner are copied too."""
+    total = 0
+    own = os.fstat(src)
+    os.fchmod(dst, stat.S_IMODE(own.st_mode))
+    os.fchown(dst, *_shifted(own, base_id))
+    stack = [(os.dup(src), os.dup(dst))]
+    try:
+        while stack:
+            s_dir, d_dir = stack.pop()
+            try:
+                for entry in os.scandir(s_dir):
+                    total += _copy_entry(entry.name, s_dir, d_dir, base_id, stack)
+                _copy_xattrs(s_dir, d_dir)
+            finally:
+                os.close(s_dir)
+                os.close(d_dir)
+    finally:
+        for s_dir, d_dir in stack:
+            os.close(s_dir)
+            os.close(d_dir)
+    return total
+
+
+def _shifted(st: os.stat_result, base_id: int):
+    """The owner an image would have: the range's ids down to 0..65535; anything else
+    (the overlay's own whiteouts, made by host root) root's."""
+    uid, gid = st.st_uid - base_id, st.st_gid - base_id
+    return (uid if 0 <= uid < _IDS else 0), (gid if 0 <= gid < _IDS else 0)
+
+
+def _copy_entry(name: str, s_dir: int, d_dir: int, base_id: int, stack: list) -> int:
+    st = os.stat(name, dir_fd=s_dir, follow_symlinks=False)
+    mode, owner = st.st_mode, _shifted(st, base_id)
+    size = 0
+    if stat.S_ISDIR(mode):
+        os.mkdir(name, 0o700, dir_fd=d_dir)
+        sub_s = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=s_dir)
+        try:
+            sub_d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=d_dir)
+        except BaseException:
+            os.close(sub_s)
+            raise
+        os.fchmod(sub_d, stat.S_IMODE(mode))
+        os.fchown(sub_d, *owner)
+        stack.append((sub_s, sub_d))
+        return 0
+    if stat.S_ISREG(mode):
+        size = _copy_file(name, s_dir, d_dir, st, owner)
+    elif stat.S_ISLNK(mode):
+        os.symlink(os.readlink(name, dir_fd=s_dir), name, dir_fd=d_dir)
+    elif stat.S_ISCHR(mode) and st.st_rdev == 0:  # a whiteout: the image's file was deleted
+        os.mknod(name, stat.S_IFCHR | 0o600, 0, dir_fd=d_dir)
+    elif stat.S_ISFIFO(mode):
+        os.mkfifo(name, 0o600, dir_fd=d_dir)
+    else:
+        return 0  # sockets and device nodes: not files a snapshot carries
+    os.chown(name, *owner, dir_fd=d_dir, follow_symlinks=False)
+    if not stat.S_ISLNK(mode):
+        os.chmod(name, stat.S_IMODE(mode), dir_fd=d_dir)
+    os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d_dir, follow_symlinks=False)
+    return size
+
+
+def _copy_file(name: str, s_dir: int, d_dir: int, st, owner) -> int:
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=s_dir)
+    try:
+        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=d_dir)
+        try:
+            copied = 0
+            while True:
+                try:
+                    n = os.copy_file_range(src, dst, _CHUNK)
+                except OSError:  # across filesystems on an older kernel: read and write
+                    n = _copy_plain(src, dst)
+                if n == 0:
+                    break
+                copied += n
+            _copy_xattrs(src, dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return copied
+
+
+def _copy_plain(src: int, dst: int) -> int:
+    data = os.read(src, 1 << 20)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(dst, view):]
+    return len(data)
+
+
+def _copy_xattrs(src: int, dst: int) -> None:
+    try:
+        names = os.listxattr(src)
+    except OSError:
+        return
+    for key in names:
+        if key in _COPIED_XATTRS or key.startswith("user."):
+            try:
+                os.setxattr(dst, key, os.getxattr(src, key))
+            except OSError:
+                pass
+
+
+def unsupported_why(sandbox) -> Optional[str]:
+    """Why ``sandbox`` (a SandboxProcess) cannot be snapshotted, or None."""
+    if sandbox.image.rootfs is None:
+        return ("sandbox %s runs the host image, a view of this machine, not an image a "
+                "layer can stack on" % sandbox.sandbox_id)
+    if getattr(sandbox, "writable", None) is None:
+        return ("sandbox %s keeps no handle on its writable layer (an agent that is not "
+                "root, or gVisor, whose layer lives in runsc)" % sandbox.sandbox_id)
+    return None
+
+
+def not_supported(sandbox) -> NotSupported:
+    return NotSupported("snapshot of %s" % unsupported_why(sandbox))

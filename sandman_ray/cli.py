@@ -116,12 +116,18 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_list(args) -> int:
+def _rows(pool: Optional[str], method: str) -> List[Dict]:
+    """What ``method`` lists of every pool (or ``pool``), each row with its pool."""
     rows: List[Dict] = []
-    for pool in _pools(args.pool):
-        for entry in _call(pool, "list_sandboxes"):
-            entry["pool"] = pool
+    for name in _pools(pool):
+        for entry in _call(name, method):
+            entry["pool"] = name
             rows.append(entry)
+    return rows
+
+
+def cmd_list(args) -> int:
+    rows = _rows(args.pool, "list_sandboxes")
     if args.json:
         print(json.dumps(rows, indent=1, sort_keys=True))
         return 0
@@ -151,6 +157,38 @@ def cmd_events(args) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return ("%d %s" if unit == "B" else "%.1f %s") % (n, unit)
+        n /= 1024.0
+    return str(n)
+
+
+def cmd_snapshots(args) -> int:
+    """List the pools' snapshots; ``--delete NAME`` deletes one of POOL's."""
+    if args.delete:
+        if not args.pool:
+            raise CliError("--delete needs the snapshot's POOL")
+        _call(_pools(args.pool)[0], "delete_snapshot", args.delete)
+        print("snapshot %s of pool %s deleted" % (args.delete, args.pool))
+        return 0
+    rows = _rows(args.pool, "snapshots")
+    if args.json:
+        print(json.dumps(rows, indent=1, sort_keys=True))
+        return 0
+    now = time.time()
+    print(_table([[r["pool"], r["name"], _size(r["size_bytes"]), r["base"],
+                   (r["node_id"] or "-")[:12], str(r["sandboxes"]), str(r["warm"]),
+                   "fork" if r["for_fork"] else "named", _age(now - r["created_at"])]
+                  for r in sorted(rows, key=lambda r: (r["pool"], r["created_at"]))],
+                 ["pool", "snapshot", "size", "base", "node", "sandboxes", "warm", "kind",
+                  "age"]))
+    print("%d snapshot%s, %s" % (len(rows), "" if len(rows) == 1 else "s",
+                                 _size(sum(r["size_bytes"] for r in rows))))
+    return 0
+
+
 def cmd_gc(args) -> int:
     found = _call(_pools(args.pool)[0], "gc", args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -164,8 +202,10 @@ def cmd_gc(args) -> int:
 def cmd_shutdown(args) -> int:
     import sandman_ray
     _pools(args.pool)
-    print("pool %s shut down, %d sandboxes deleted"
-          % (args.pool, sandman_ray.shutdown_pool(args.pool)))
+    snapshots = _call(args.pool, "snapshots")
+    print("pool %s shut down, %d sandboxes and %d snapshots (%s) deleted"
+          % (args.pool, sandman_ray.shutdown_pool(args.pool), len(snapshots),
+             _size(sum(s["size_bytes"] for s in snapshots))))
     return 0
 
 
@@ -195,6 +235,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("pool", nargs="?")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("snapshots", help="the snapshots of every pool (or POOL), "
+                                         "with sizes; --delete NAME deletes one")
+    p.add_argument("pool", nargs="?")
+    p.add_argument("--delete", metavar="NAME")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("gc", help="delete sandboxes that no live handle holds")
     p.add_argument("pool")
     p.add_argument("--dry-run", action="store_true", help="list them, delete nothing")
@@ -207,7 +252,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"status": cmd_status, "list": cmd_list, "events": cmd_events, "gc": cmd_gc,
-            "shutdown": cmd_shutdown, "bench": cmd_bench}
+            "snapshots": cmd_snapshots, "shutdown": cmd_shutdown, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

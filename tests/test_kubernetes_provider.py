@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from sandman_ray import DaemonClient, ProviderError
+from sandman_ray import DaemonClient, NotSupported, ProviderError
 from sandman_ray.providers.kubernetes.provider import (
     KubernetesProvider, label_value, merge, pod_name)
 from sandman_ray.spec import SandboxSpec
@@ -178,6 +178,27 @@ def test_a_timed_out_create_is_not_duplicated(cluster, sim):
         client = DaemonClient(info.address, info.token)
         assert client.exec("echo adopted").stdout == b"adopted\n"
         client.close()
+    finally:
+        assert run(p.shutdown()) == 1
+
+
+def test_snapshots_and_pauses_are_refused_saying_what_they_would_need(sim):
+    p = provider(sim).bind("nosnap-" + uuid.uuid4().hex[:6])
+    assert p.supports_snapshots is False
+    try:
+        info = run(p.create("sbx-1", SandboxSpec(image=IMAGE), {}))
+        refusals = [(p.snapshot("sbx-1", "before"), r"snapshot 'before' of sandbox sbx-1.*"
+                     r"container-image build.*registry the cluster pulls from.*VolumeSnapshots"),
+                    (p.delete_snapshot("before"), r"no snapshots"),
+                    (p.pause("sbx-1"), r"pause sandbox sbx-1.*kubelet to freeze the pod's cgroup"),
+                    (p.resume("sbx-1"), r"resume sandbox sbx-1")]
+        for call, reason in refusals:
+            with pytest.raises(NotSupported, match=reason) as err:
+                run(call)
+            assert err.value.kind == "fatal"
+        assert run(p.snapshots()) == []
+        with DaemonClient(info.address, info.token) as client:  # the pod is untouched
+            assert client.exec("echo still-here").stdout == b"still-here\n"
     finally:
         assert run(p.shutdown()) == 1
 

@@ -3,6 +3,7 @@ LocalProvider: forks carry files and the session's place, are independent of eac
 other and of their parent, are deleted with their pool; a paused sandbox uses no CPU
 and comes back with its processes."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -212,3 +213,34 @@ def test_only_the_holder_snapshots_or_pauses_a_lease(pool):
         sandman.snapshot(sb)
     with pytest.raises(ValueError, match="n must be"):
         sandman.fork(sb, 0)
+
+
+def sandman_cmd(*args) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+    exe = Path(sys.executable).with_name("sandman")
+    return subprocess.run([str(exe), "--address", ray.get_runtime_context().gcs_address]
+                          + list(args), capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_the_cli_lists_deletes_and_counts_snapshots_at_shutdown(cluster):
+    pool = make_pool()
+    with sandman.sandbox(pool=pool, timeout=120) as sb:
+        sb.exec(["sh", "-c", "head -c 3000000 /dev/zero > /root/three-mb"])
+        sandman.snapshot(sb, "kept")
+        sandman.snapshot(sb, "dropped")
+    listed = sandman_cmd("snapshots", pool, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert sorted(r["name"] for r in rows) == ["dropped", "kept"]
+    assert all(r["size_bytes"] >= 3_000_000 and r["base"] == "builtin:debian" for r in rows)
+    text = sandman_cmd("snapshots").stdout
+    assert "kept" in text and "2.9 MiB" in text and "2 snapshots" in text
+    gone = sandman_cmd("snapshots", pool, "--delete", "dropped")
+    assert gone.returncode == 0 and on_disk(pool) == ["kept"], gone.stderr
+    missing = sandman_cmd("snapshots", pool, "--delete", "nonexistent")
+    assert missing.returncode != 0 and "no snapshot 'nonexistent'" in missing.stderr
+    down = sandman_cmd("shutdown", pool)
+    assert down.returncode == 0 and "1 snapshots" in down.stdout, down
+    assert on_disk(pool) == []

@@ -1,5 +1,6 @@
-"""DockerAgent: the actor that creates, resets and deletes one pool's containers on
-one node's engine (see ``providers/docker/provider.py`` for what each container is)."""
+"""DockerAgent: the actor that creates, resets, pauses and deletes one pool's containers
+on one node's engine, and keeps the pool's snapshots there (see
+``providers/docker/provider.py`` for what each container and snapshot is)."""
 
 import asyncio
 import logging
@@ -14,12 +15,15 @@ from typing import Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
+from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, SandboxInfo, check_answers, fatal, transient)
+    POOL_LABEL, SANDBOX_LABEL, SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
 from sandman_ray.providers.docker.engine import (
-    EngineFacts, PullFailed, container_name, engine_client, engine_error, engine_facts,
-    list_containers, pull_error, remove_container, remove_containers, short_name)
+    EngineFacts, PullFailed, commit_changes, commit_container, container_name, engine_client,
+    engine_error, engine_facts, is_snapshot_reference, list_containers, pull_error,
+    remove_container, remove_containers, remove_snapshot_image, remove_snapshot_images,
+    short_name, snapshot_base, snapshot_images, snapshot_info, snapshot_labels,
+    snapshot_reference)
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec, parse_image
 
@@ -71,6 +75,8 @@ class DockerAgent:
         self.present: set = set()     # images known to be on this engine
         self.specs: Dict[str, tuple] = {}        # sandbox id -> (spec, labels), for reset
         self.infos: Dict[str, SandboxInfo] = {}  # sandbox id -> what its create returned
+        self.holds: Dict[str, asyncio.Lock] = {}  # sandbox id -> one snapshot/pause at a time
+        self.snapshotting: set = set()  # names of the snapshots being taken
         self.stats = {"pulls": 0, "creates": 0, "deletes": 0}
         self._remove_leftovers()
         self.state.mkdir(parents=True, exist_ok=True)
@@ -137,6 +143,9 @@ class DockerAgent:
         except ProviderError as exc:
             if not isinstance(exc.__cause__, docker.errors.ImageNotFound):
                 raise
+        if is_snapshot_reference(image):  # never pulled: it exists on one engine only
+            raise fatal("image %r: no such snapshot on node %s's engine (deleted, or taken "
+                        "on another node)" % (image, self.node_id))
         repository, tag = parse_repository_tag(image)
         self.stats["pulls"] += 1
         started = time.monotonic()
@@ -168,8 +177,17 @@ class DockerAgent:
                                        lambda: self._create(sandbox_id, spec, labels))
 
     def _image_of(self, spec: SandboxSpec) -> str:
+        """The engine's reference of the spec's image: a registry or local reference
+        as it is, ``snapshot:<pool>/<name>`` (the form every provider takes) as this
+        pool's snapshot reference."""
         kind, location, _ = parse_image(spec.image)
-        if kind != "registry":
+        if spec.image.startswith("snapshot:"):
+            pool, _, name = spec.image[len("snapshot:"):].partition("/")
+            if pool != self.pool:
+                raise fatal("image %r: a sandbox of pool %s runs only that pool's snapshots"
+                            % (spec.image, self.pool))
+            location = snapshot_reference(self.pool, name)
+        elif kind != "registry":
             raise fatal("image %r: the DockerProvider runs images its engine has or can pull "
                         "(a reference such as docker.io/library/debian:12 or localhost/name:tag)"
                         % spec.image)
@@ -425,6 +443,7 @@ class DockerAgent:
 
     def _forget(self, sandbox_id: str) -> None:
         self.specs.pop(sandbox_id, None)
+        self.holds.pop(sandbox_id, None)
         self.infos.pop(sandbox_id, None)
         shutil.rmtree(self.state / sandbox_id, ignore_errors=True)
 
@@ -476,15 +495,150 @@ class DockerAgent:
                                     details=details))
         return infos
 
+    # ---- snapshots and pauses
+    def _hold(self, sandbox_id: str) -> asyncio.Lock:
+        """One snapshot, pause or resume of a sandbox at a time: a resume in the middle
+        of a snapshot would let the sandbox's processes run while its layer's files
+        have their ids inside (``engine.commit_container``)."""
+        return self.holds.setdefault(sandbox_id, asyncio.Lock())
+
+    async def _inspect(self, sandbox_id: str, what: str) -> dict:
+        """The engine's inspection of the sandbox's container, which must be up
+        (running or paused)."""
+        import docker.errors
+        try:
+            container = await self._engine(what, self.engine.api.inspect_container,
+                                           container_name(self.pool, sandbox_id))
+        except ProviderError as exc:
+            if isinstance(exc.__cause__, docker.errors.NotFound):
+                raise fatal("%s: no such sandbox in pool %s on node %s"
+                            % (what, self.pool, self.node_id)) from None
+            raise
+        status = (container.get("State") or {}).get("Status")
+        if status not in ("running", "paused"):
+            raise fatal("%s: its container is %s" % (what, status))
+        return container
+
+    async def _image(self, reference: str, what: str) -> Optional[dict]:
+        """The engine's inspection of an image; None if it has none of that name."""
+        import docker.errors
+        try:
+            return await self._engine(what, self.engine.api.inspect_image, reference)
+        except ProviderError as exc:
+            if isinstance(exc.__cause__, docker.errors.ImageNotFound):
+                return None
+            raise
+
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
+        """Commit the sandbox's container to the image ``snapshot_reference(pool, name)``
+        of this node's engine: its files (the writable layer over its image), not its
+        processes or memory, nor the bind mounts (the daemon bundle, the socket
+        directory), which are not part of any layer. The image starts like its base:
+        the entrypoint, command, working directory and user are its base's again; the
+        environment and labels the sandbox's container had stay (an engine cannot drop
+        them), except that it no longer names a sandbox or an agent.
+
+        The SnapshotInfo's base is the image below every snapshot layer (the one a
+        snapshot's sandbox ran, for a snapshot of a sandbox started from a snapshot);
+        size_bytes is the engine's size of the snapshot's image minus that base's, so
+        it counts the layers of every snapshot in between. A name the pool has on this
+        engine, or one being taken, is a fatal error; so is a snapshot under gVisor
+        (NotSupported), whose files the engine's commit does not see."""
+        reference = snapshot_reference(self.pool, name)  # fatal for a name that is no tag
+        what = "snapshot sandbox %s as %r" % (sandbox_id, name)
+        if self.runtime == "runsc":
+            raise NotSupported(
+                "%s: under gVisor (runtime='runsc') a sandbox's files live in gVisor's "
+                "memory-backed overlay, which the engine's commit does not see; a snapshot "
+                "needs runc" % what)
+        if name in self.snapshotting or await self._image(reference, what) is not None:
+            raise fatal("%s: pool %s has a snapshot of that name on node %s (image %s)"
+                        % (what, self.pool, self.node_id, reference))
+        self.snapshotting.add(name)
+        try:
+            async with self._hold(sandbox_id):
+                container = await self._inspect(sandbox_id, what)
+                ran = self._image_ran(sandbox_id, container)
+                below = await self._image(ran, what)
+                if below is None:
+                    raise fatal("%s: the image it ran, %s, is gone from the engine"
+                                % (what, ran))
+                base, base_bytes = snapshot_base(ran, below)
+                labels = snapshot_labels(self.pool, name, base, base_bytes, sandbox_id,
+                                         time.time())
+                changes = commit_changes(labels, (SANDBOX_LABEL, AGENT_LABEL), container,
+                                         below)
+                await self._engine(what, commit_container, self.engine, container, reference,
+                                   changes)
+            image = await self._image(reference, what)
+        finally:
+            self.snapshotting.discard(name)
+        info = snapshot_info(image or {}, self.node_id)
+        if info is None:
+            raise fatal("%s: the engine does not show the committed image %s"
+                        % (what, reference))
+        self.present.add(reference)
+        logger.info("docker agent %s: snapshot %s of sandbox %s: %s, %d bytes over %s",
+                    self.node_id, name, sandbox_id, reference, info.size_bytes, base)
+        return info
+
+    def _image_ran(self, sandbox_id: str, container: dict) -> str:
+        """The reference of the image the sandbox's container runs."""
+        known = self.infos.get(sandbox_id)
+        if known is not None and known.details.get("image"):
+            return known.details["image"]
+        return (container.get("Config") or {}).get("Image") or container["Image"]
+
+    async def snapshots(self) -> List[SnapshotInfo]:
+        """This pool's snapshots on this node's engine, found by their images' labels."""
+        images = await self._engine("list the snapshots of pool %s" % self.pool,
+                                    snapshot_images, self.engine, self.pool)
+        infos = [snapshot_info(image, self.node_id) for image in images]
+        return [info for info in infos if info is not None]
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Remove the snapshot's image from this node's engine; one gone already is not
+        an error. Containers still running from it: a fatal error naming them."""
+        reference = snapshot_reference(self.pool, name)
+        self.present.discard(reference)
+        await self._engine("delete snapshot %r of pool %s" % (name, self.pool),
+                           remove_snapshot_image, self.engine, reference)
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox, its daemon too, keeping their memory
+        (the engine's pause: the container's cgroup frozen). A paused sandbox stays
+        paused."""
+        what = "pause sandbox %s" % sandbox_id
+        async with self._hold(sandbox_id):
+            container = await self._inspect(sandbox_id, what)
+            if not container["State"].get("Paused"):
+                await self._engine(what, self.engine.api.pause, container["Id"])
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Let a paused sandbox's processes run on from where they stopped. A running
+        sandbox stays running."""
+        what = "resume sandbox %s" % sandbox_id
+        async with self._hold(sandbox_id):
+            container = await self._inspect(sandbox_id, what)
+            if container["State"].get("Paused"):
+                await self._engine(what, self.engine.api.unpause, container["Id"])
+
     async def shutdown(self) -> int:
-        """Remove every container of this pool on this node; returns how many. Creates
-        still in flight stop at their next step and remove what they made."""
+        """Remove every container of this pool on this node, then the pool's snapshots
+        on this node's engine; returns how many containers. Creates still in flight
+        stop at their next step and remove what they made."""
         self.closing = True
         await asyncio.gather(*[asyncio.shield(f) for f in self.creating.running.values()],
                              return_exceptions=True)
         infos = await self.list()
         await asyncio.gather(*(self.delete(info.sandbox_id) for info in infos))
         shutil.rmtree(self.state.parent, ignore_errors=True)
+        removed = await self._engine("remove the snapshots of pool %s" % self.pool,
+                                     remove_snapshot_images, self.engine, self.pool)
+        self.present.clear()
+        if removed:
+            logger.info("docker agent %s: removed %d snapshots of pool %s", self.node_id,
+                        removed, self.pool)
         return len(infos)
 
 

@@ -56,10 +56,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
-from sandman_ray.errors import ProviderError
+from sandman_ray.errors import NotSupported, ProviderError
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, check_answers, fatal, throttled,
-    transient)
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, check_answers, fatal,
+    throttled, transient)
 from sandman_ray.spec import SandboxSpec, parse_image
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,17 @@ OWNER_LABEL = "sandman.owner"
 NETWORK_LABEL = "sandman.network"
 CONTAINER = "sandbox"
 SPEC_ANNOTATION = "sandman.spec"
+# What a snapshot or a pause of a pod would need, which neither this provider nor the
+# Kubernetes API offers; the NotSupported errors say it.
+NO_SNAPSHOT = ("a pod's files cannot be captured through the Kubernetes API: a snapshot "
+               "needs either a container-image build of the sandbox container's writable "
+               "layer on its node (a commit by the node's container runtime, which the "
+               "kubelet does not expose) pushed to a registry the cluster pulls from, or "
+               "CSI VolumeSnapshots of a persistent volume holding the sandbox's work tree "
+               "(the pods have only their image and emptyDirs)")
+NO_PAUSE = ("a pod's processes cannot be paused through the Kubernetes API: a pause needs "
+            "the kubelet to freeze the pod's cgroup (the container runtime's pause), which "
+            "no Kubernetes API offers; delete the sandbox, or keep it running")
 BAD_IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",
                      "ErrImageNeverPull", "CreateContainerConfigError",
                      "CreateContainerError")
@@ -162,6 +173,7 @@ class KubernetesProvider(Provider):
     """
 
     supports_reset = False
+    supports_snapshots = False  # see snapshot() and pause(): what they would need
 
     def __init__(self, namespace: str = "default", bundle_image: str = "sandman-ray/bundle:0.1",
                  pod_template: Optional[dict] = None, owner: str = "sandman-ray",
@@ -492,6 +504,25 @@ class KubernetesProvider(Provider):
         return [self._info(p) for p in list(self._pods.values())
                 if all((p["metadata"].get("labels") or {}).get(k) == v
                        for k, v in wanted.items())]
+
+    # ---- snapshots and pauses: not offered (supports_snapshots stays False)
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
+        """Refused: NotSupported, saying what a snapshot of a pod would need."""
+        raise NotSupported("snapshot %r of sandbox %s (pool %s): %s"
+                           % (name, sandbox_id, self.pool, NO_SNAPSHOT))
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Refused: this provider never made a snapshot."""
+        raise NotSupported("delete snapshot %r (pool %s): the KubernetesProvider has no "
+                           "snapshots; %s" % (name, self.pool, NO_SNAPSHOT))
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Refused: NotSupported, saying what a pause of a pod would need."""
+        raise NotSupported("pause sandbox %s (pool %s): %s" % (sandbox_id, self.pool, NO_PAUSE))
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Refused: no pod of this provider is ever paused."""
+        raise NotSupported("resume sandbox %s (pool %s): %s" % (sandbox_id, self.pool, NO_PAUSE))
 
     async def shutdown(self) -> int:
         """Delete every pod of this pool (by a fresh list, not the watch's view)."""

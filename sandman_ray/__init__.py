@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "sandman_ray.api": ("acquire", "acquire_async", "create_pool", "get_pool", "prepare",
                         "release", "release_async", "sandbox", "shutdown_pool"),
-    "sandman_ray.forks": ("delete_snapshot", "fork", "pause", "resume", "set_warm", "snapshot",
-                          "snapshots"),
+    "sandman_ray.forks": ("delete_snapshot", "fork", "fork_async", "pause", "resume",
+                          "set_warm", "snapshot", "snapshots"),
     "sandman_ray.client": ("AsyncDaemonClient", "DaemonClient"),
     "sandman_ray.results": ("ExecResult", "FileStat", "ProcessOutput", "ProcessStatus"),
     "sandman_ray.errors": ("AcquireTimeout", "AuthError", "CallTimeout", "ConnectionLost",

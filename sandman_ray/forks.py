@@ -19,13 +19,14 @@ daemon wait until ``resume`` (its daemon is frozen too). Releasing a paused sand
 thaws it before it is reset for the next holder.
 """
 
+import asyncio
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import ray
 
-from sandman_ray.api import SpecLike, acquire, get_pool, release
+from sandman_ray.api import SpecLike, acquire, acquire_async, get_pool, release, release_async
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.spec import SandboxSpec
 
@@ -76,18 +77,31 @@ def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
     return ray.get(get_pool(pool).set_warm.remote(spec, count))
 
 
+def _check_count(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
+
+
+def _snapshot_for_fork(handle: SandboxHandle, keep_snapshot: bool):
+    """The pool's ``snapshot`` call of a fork (an ObjectRef)."""
+    return _pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, None,
+                                            not keep_snapshot)
+
+
+def _fork_spec(info: dict) -> SandboxSpec:
+    """The forks' spec: the parent's, with the snapshot as its image."""
+    return SandboxSpec.from_dict(dict(info["spec"], image=info["image"]))
+
+
 def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
          keep_snapshot: bool = False) -> List[SandboxHandle]:
     """``n`` new leased sandboxes that start from ``handle``'s files, in the working
     directory and with the exported variables of its default session; each is
     released like any other. All or none: when one cannot be acquired within
     ``timeout``, those acquired are released and the error is raised."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
-    state = _session_state(handle)
-    info = ray.get(_pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, None,
-                                                    not keep_snapshot))
-    spec = SandboxSpec.from_dict(dict(info["spec"], image=info["image"]))
+    _check_count(n)
+    state = _session_state(handle.run(SESSION_STATE))
+    spec = _fork_spec(ray.get(_snapshot_for_fork(handle, keep_snapshot)))
     forks: List[SandboxHandle] = []
     with ThreadPoolExecutor(min(n, FORK_THREADS)) as pool:
         futures = [pool.submit(acquire, spec, handle.pool, timeout) for _ in range(n)]
@@ -111,22 +125,54 @@ def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
     return forks
 
 
-def _session_state(handle: SandboxHandle) -> str:
-    """The shell lines that bring a new default session to where ``handle``'s is: its
-    working directory and exported variables (``export -p``, which the same shell
-    reads back)."""
-    result = handle.run("pwd; export -p")
+async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
+                     keep_snapshot: bool = False) -> List[SandboxHandle]:
+    """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
+    _check_count(n)
+    state = _session_state(await handle.run_async(SESSION_STATE))
+    spec = _fork_spec(await _snapshot_for_fork(handle, keep_snapshot))
+    got = await asyncio.gather(*(acquire_async(spec, handle.pool, timeout) for _ in range(n)),
+                               return_exceptions=True)
+    forks = [sb for sb in got if isinstance(sb, SandboxHandle)]
+    errors = [exc for exc in got if not isinstance(exc, SandboxHandle)]
+    if not errors and state:
+        done = await asyncio.gather(*(sb.run_async(state) for sb in forks),
+                                    return_exceptions=True)
+        errors = [_replay_error(sb, r) for sb, r in zip(forks, done) if _replay_error(sb, r)]
+    if errors:
+        await asyncio.gather(*(release_async(sb) for sb in forks))
+        raise errors[0]
+    return forks
+
+
+# what the parent's default session prints of its place: its working directory, then
+# its exported variables as the same shell reads them back
+SESSION_STATE = "pwd; export -p"
+
+
+def _session_state(result) -> str:
+    """The shell lines that bring a new default session to where the parent's is, from
+    what SESSION_STATE printed there ("" if it failed)."""
     if result.exit_code != 0:
         return ""
     cwd, _, exports = result.stdout.decode("utf-8", "surrogateescape").partition("\n")
     return "cd -- %s\n%s" % (shlex.quote(cwd), exports)
 
 
-def _replay(sb: SandboxHandle, state: str) -> None:
-    result = sb.run(state)
+def _replay_error(sb: SandboxHandle, result) -> Optional[BaseException]:
+    """Why a fork's session did not take its parent's place (None: it did)."""
+    if isinstance(result, BaseException):
+        return result
     if result.exit_code != 0:
-        raise RuntimeError("fork %s: its session did not take its parent's working "
-                           "directory and variables: %s" % (sb.sandbox, result.stderr[-500:]))
+        return RuntimeError("fork %s: its session did not take its parent's working "
+                            "directory and variables: %s" % (sb.sandbox, result.stderr[-500:]))
+    return None
+
+
+def _replay(sb: SandboxHandle, state: str) -> None:
+    error = _replay_error(sb, sb.run(state))
+    if error is not None:
+        raise error
 
 
 def pause(handle: SandboxHandle) -> None:

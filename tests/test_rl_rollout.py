@@ -66,10 +66,30 @@ def test_training_loop_learns_from_sandbox_rewards_and_leaves_nothing(tmp_path):
     assert "sandboxes left: 0" in proc.stdout and "summary" in proc.stdout
 
 
+def test_grpo_groups_fork_each_prepared_task_and_say_the_time_saved(tmp_path):
+    """--group-size 4: each task prepared once, forked into 4 sandboxes, rewards
+    weighed within the group; the run learns, says what forking saved against
+    preparing each sandbox from scratch, and leaves no sandbox and no snapshot."""
+    require_bwrap()
+    out = tmp_path / "run.json"
+    proc = run_example("train.py", "--group-size", "4", "--iterations", "6", "--episodes",
+                       "16", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["errors"] == 0 and run["leases_open"] == 0 and run["sandboxes_left"] == 0
+    groups = run["groups"]
+    assert groups["groups"] == 6 * 4 and groups["size"] == 4
+    assert groups["scratch_ms"] == pytest.approx(4 * groups["prepare_p50_ms"])
+    assert groups["forked_ms"] < groups["scratch_ms"] and groups["saved_ms"] > 0
+    assert "time saved by forking" in proc.stdout
+    assert run["last_reward"] >= run["first_reward"] + 0.25
+
+
 def test_bad_arguments_are_refused_before_anything_starts():
     for args, message in ((["--episodes", "0"], "--episodes must be at least 1"),
                           (["--policy", "openai"], "needs --openai-base-url"),
-                          (["--iterations", "1"], "at least 2")):
+                          (["--iterations", "1"], "at least 2"),
+                          (["--group-size", "3", "--episodes", "16"], "multiple of --group-size")):
         proc = run_example("train.py", *args, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr
 

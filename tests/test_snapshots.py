@@ -13,11 +13,12 @@ import ray
 
 import sandman_ray as sandman
 from sandman_ray.providers.local import leftovers
+from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
 from conftest import ROOT, require_bwrap, unique_pool, wait_until
 
 STATE = "/tmp/sandman-ray-test/snapshot-state"
 CACHE = ROOT / ".cache" / "provider"
-SNAPSHOTS = CACHE / "snapshots"
+SNAPSHOTS = Path(DEFAULT_SNAPSHOT_ROOT)  # providers/local/snapshots.py
 
 
 @pytest.fixture(scope="module")

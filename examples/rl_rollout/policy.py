@@ -5,7 +5,7 @@ loop around it, and a learning curve that comes only from rewards measured in sa
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -43,11 +43,14 @@ class LinearPolicy:
         probs = cls.probabilities(weights, features, offered)
         return int(rng.choice(len(probs), p=probs))
 
-    def update(self, decisions: Sequence[Decision], rewards: Sequence[float]) -> float:
+    def update(self, decisions: Sequence[Decision], rewards: Sequence[float],
+               advantages: Optional[Sequence[float]] = None) -> float:
         """One policy-gradient step from a batch of (decision, reward), with the batch's
-        mean reward as the baseline. Returns the gradient's norm."""
+        mean reward as the baseline, or with the ``advantages`` given (GRPO-style, each
+        reward against its group's: ``group_advantages``). Returns the gradient's norm."""
         rewards = np.asarray(rewards, dtype=float)
-        advantages = rewards - rewards.mean()
+        advantages = rewards - rewards.mean() if advantages is None \
+            else np.asarray(advantages, dtype=float)
         grad = np.zeros_like(self.weights)
         for decision, advantage in zip(decisions, advantages):
             probs = self.probabilities(self.weights, decision.features, decision.offered)
@@ -57,3 +60,14 @@ class LinearPolicy:
         grad /= max(len(decisions), 1)
         self.weights += self.learning_rate * grad
         return float(np.linalg.norm(grad))
+
+
+def group_advantages(rewards: Sequence[float]) -> List[float]:
+    """GRPO's advantage of each sample of one group (the same task, the same start):
+    its reward against the group's mean, in units of the group's spread (0 for a
+    group whose samples all scored alike: it teaches nothing)."""
+    rewards = np.asarray(rewards, dtype=float)
+    spread = rewards.std()
+    if spread == 0:
+        return [0.0] * len(rewards)
+    return list((rewards - rewards.mean()) / spread)

@@ -10,9 +10,14 @@ import ray
 
 import sandman_ray as sandman
 from coderepair import EDITS, REPO_DIR, TEST_COMMAND, edit_mask, features, make_task
-from policy import Decision, LinearPolicy
+from policy import Decision, LinearPolicy, group_advantages
 
 EXEC_TIMEOUT_S = 30.0
+# A task's set-up in group mode (``--group-size``), standing in for the dependency
+# install of a SWE task: a copy of the image's Python standard library, compiled
+# (~27 MB, ~1.3 s here). Done once per task; its G samples fork from it.
+PREPARE_COMMAND = ("mkdir -p /opt/deps && cp -r /usr/lib/python3* /opt/deps/ && "
+                   "python3 -m compileall -q /opt/deps")
 
 
 @ray.remote(num_cpus=0)  # waits on sandboxes; the sandboxes do the work
@@ -51,6 +56,72 @@ class RolloutWorker:
                 finally:
                     self.done += 1
         return await asyncio.gather(*(guarded(s) for s in seeds))
+
+    async def rollout_groups(self, weights: np.ndarray, seeds: Sequence[int],
+                             group_size: int) -> List[Dict]:
+        """GRPO-style: per task seed, one sandbox prepared (the repository, its set-up,
+        the tests run once), forked into ``group_size`` sandboxes that each try an edit
+        the policy samples; each record carries its advantage within the group."""
+        self.done = 0
+        gate = asyncio.Semaphore(max(1, self.concurrency // group_size))
+
+        async def guarded(seed):
+            async with gate:
+                try:
+                    return await self._group(weights, seed, group_size)
+                except Exception as exc:  # reported per episode; the batch goes on
+                    return [{"seed": seed, "error": "%s: %s" % (type(exc).__name__, exc)}
+                            ] * group_size
+                finally:
+                    self.done += group_size
+        groups = await asyncio.gather(*(guarded(s) for s in seeds))
+        return [record for group in groups for record in group]
+
+    async def _group(self, weights: np.ndarray, seed: int, group_size: int) -> List[Dict]:
+        task = make_task(seed)
+        started = time.perf_counter()
+        sb = await sandman.acquire_async(self.spec, pool=self.pool, timeout=120)
+        acquire_s = time.perf_counter() - started
+        forks: List = []
+        try:
+            await sb.put_archive.remote(REPO_DIR, task.tar())
+            setup = await sb.exec.remote(["sh", "-c", PREPARE_COMMAND], timeout=120)
+            if setup.exit_code != 0:
+                raise RuntimeError("task %s: its set-up failed: %s" % (task.task_id,
+                                                                      setup.stderr[-300:]))
+            begun = time.perf_counter()
+            source = (await sb.exec.remote("cat " + task.module_path, cwd=REPO_DIR)).text
+            exec_s = [time.perf_counter() - begun]
+            before = await sb.exec.remote(TEST_COMMAND, cwd=REPO_DIR, timeout=EXEC_TIMEOUT_S)
+            if before.exit_code == 0:
+                raise RuntimeError("task %s passes before any edit" % task.task_id)
+            prepare_s = time.perf_counter() - started
+            forked = time.perf_counter()
+            forks = await sandman.fork_async(sb, group_size, timeout=120)
+            fork_s = time.perf_counter() - forked
+            observed, offered = features(source, before.text), edit_mask(source)
+            samples = await asyncio.gather(*(self._sample(f, weights, task, source, observed,
+                                                          offered) for f in forks))
+        finally:
+            await asyncio.gather(*(sandman.release_async(f) for f in forks + [sb]))
+        rewards = [reward for reward, _, _ in samples]
+        advantages = group_advantages(rewards)
+        return [{"seed": seed, "family": task.family, "group": seed,
+                 "decision": Decision(observed, offered, action), "reward": reward,
+                 "advantage": advantage, "acquire_s": acquire_s, "exec_s": exec_s,
+                 "test_s": [test_s], "episode_s": time.perf_counter() - started,
+                 "prepare_s": prepare_s, "fork_s": fork_s, "group_size": group_size}
+                for (reward, action, test_s), advantage in zip(samples, advantages)]
+
+    async def _sample(self, sb, weights, task, source, observed, offered):
+        """One sample of a group: the edit the policy picks, applied in a fork, and the
+        tests run; (reward, action, seconds the tests took)."""
+        action = LinearPolicy.sample(weights, observed, offered, self.rng)
+        await sb.write_file.remote("%s/%s" % (REPO_DIR, task.module_path),
+                                   EDITS[action].apply(source))
+        begun = time.perf_counter()
+        after = await sb.exec.remote(TEST_COMMAND, cwd=REPO_DIR, timeout=EXEC_TIMEOUT_S)
+        return (1.0 if after.exit_code == 0 else 0.0), action, time.perf_counter() - begun
 
     async def _episode(self, weights: np.ndarray, seed: int) -> Dict:
         task = make_task(seed)

@@ -8,6 +8,13 @@ reward of the first and last iterations, and the sandboxes left on this host onc
 pool is shut down. Exits 0 only when the reward rose and nothing was left.
 
     python examples/rl_rollout/train.py [--iterations 12] [--episodes 64] [--plot reward.png]
+                                        [--group-size G]
+
+With ``--group-size G`` (GRPO-style): each task is prepared once in a sandbox (its
+repository, a set-up standing in for a dependency install, the tests run once), then
+forked (``sandman_ray.fork``) into G sandboxes that each try an edit the policy samples;
+each reward is weighed against its group's. The summary compares the time this took
+with preparing each of the G sandboxes from scratch.
 """
 
 import argparse
@@ -40,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="rollout worker actors")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="episodes in flight per worker (one sandbox each)")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="G > 1: prepare each task once and fork G sandboxes from it "
+                        "(GRPO-style groups; --episodes counts the G samples of each)")
     parser.add_argument("--learning-rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image", default=DEFAULT_IMAGE,
@@ -55,7 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--state-root", default="/tmp/sandman-ray/state")
     parser.add_argument("--cache-root", default=CACHE_ROOT)
     args = parser.parse_args(argv)
-    require_positive(parser, args, ("iterations", "episodes", "workers", "concurrency"))
+    require_positive(parser, args, ("iterations", "episodes", "workers", "concurrency",
+                                    "group_size"))
+    if args.episodes % args.group_size:
+        parser.error("--episodes (%d) must be a multiple of --group-size (%d)"
+                     % (args.episodes, args.group_size))
+    if args.group_size > 1 and args.policy != "linear":
+        parser.error("--group-size needs --policy linear")
     if args.policy == "openai" and not (args.openai_base_url and args.openai_model):
         parser.error("--policy openai needs --openai-base-url and --openai-model")
     if args.policy == "linear" and args.iterations < 2:
@@ -87,11 +103,15 @@ class ProgressBar:
             self.stream.flush()
 
 
-def run_iteration(workers, weights, seeds: List[int], label: str) -> List[Dict]:
-    """Split ``seeds`` over the workers, wait with a progress bar, return every record."""
+def run_iteration(workers, weights, seeds: List[int], label: str,
+                  group_size: int = 1) -> List[Dict]:
+    """Split ``seeds`` over the workers, wait with a progress bar, return every record
+    (``group_size`` records per seed in group mode)."""
     shares = [seeds[i::len(workers)] for i in range(len(workers))]
-    refs = [w.rollout.remote(weights, share) for w, share in zip(workers, shares) if share]
-    bar = ProgressBar(len(seeds))
+    refs = [w.rollout_groups.remote(weights, share, group_size) if group_size > 1
+            else w.rollout.remote(weights, share)
+            for w, share in zip(workers, shares) if share]
+    bar = ProgressBar(len(seeds) * group_size)
     pending = refs
     while pending:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
@@ -105,8 +125,12 @@ def train(args) -> Dict:
     spec = sandman.SandboxSpec(image=args.image, memory="512Mi", pids=256,
                                labels={"example": "rl_rollout"})
     in_flight = args.workers * args.concurrency
+    warm = in_flight
+    if args.group_size > 1:  # a prepared sandbox and its G forks per group in flight
+        groups = args.workers * max(1, args.concurrency // args.group_size)
+        warm, in_flight = groups, groups * (args.group_size + 1)
     provider = sandman.LocalProvider(state_root=args.state_root, cache_root=args.cache_root)
-    sandman.create_pool(POOL, provider=provider, warm={spec: in_flight},
+    sandman.create_pool(POOL, provider=provider, warm={spec: warm},
                         max_sandboxes=in_flight + 4)
     openai = None
     if args.policy == "openai":
@@ -120,19 +144,22 @@ def train(args) -> Dict:
         "iter", "reward", "eps/s", "episodes", "acquire p50", "acquire p99", "exec p50",
         "tests p50"))
     started = time.perf_counter()
+    tasks = args.episodes // args.group_size
     for iteration in range(args.iterations):
-        seeds = list(range(args.seed * 1000003 + iteration * args.episodes,
-                           args.seed * 1000003 + (iteration + 1) * args.episodes))
+        seeds = list(range(args.seed * 1000003 + iteration * tasks,
+                           args.seed * 1000003 + (iteration + 1) * tasks))
         begun = time.perf_counter()
         records = run_iteration(workers, policy.weights.copy(), seeds,
-                                "iteration %d/%d" % (iteration + 1, args.iterations))
+                                "iteration %d/%d" % (iteration + 1, args.iterations),
+                                args.group_size)
         elapsed = time.perf_counter() - begun
         good = [r for r in records if "error" not in r]
         errors.extend(r["error"] for r in records if "error" in r)
         all_records.extend(good)
         rewards = [r["reward"] for r in good]
         if args.policy == "linear" and good:
-            policy.update([r["decision"] for r in good], rewards)
+            policy.update([r["decision"] for r in good], rewards,
+                          [r["advantage"] for r in good] if args.group_size > 1 else None)
         acquire = [r["acquire_s"] * 1e3 for r in good]
         execs = [s * 1e3 for r in good for s in r["exec_s"]]
         tests = [s * 1e3 for r in good for s in r["test_s"]]
@@ -184,6 +211,17 @@ def summarize(args, run: Dict, n_left: int) -> bool:
     ]
     for name, value in rows:
         print("  %-28s %s" % (name, value))
+    groups = group_figures(records)
+    if groups:
+        print("  %-28s %s" % ("groups (size)", "%d (%d)" % (groups["groups"], groups["size"])))
+        print("  %-28s %s" % ("prepare once / fork p50", "%.0f / %.0f ms" % (
+            groups["prepare_p50_ms"], groups["fork_p50_ms"])))
+        print("  %-28s %s" % ("per group: forked / scratch", "%.0f / %.0f ms" % (
+            groups["forked_ms"], groups["scratch_ms"])))
+        print("time saved by forking: %.0f ms per group of %d (%.0f%%), %.1f s in all, "
+              "against preparing every sandbox from scratch (its measured preparation, "
+              "%d times)" % (groups["saved_ms"], groups["size"], groups["saved_pct"],
+                             groups["saved_ms"] * groups["groups"] / 1e3, groups["size"]))
     for error in run["errors"][:5]:
         print("  episode error: %s" % error)
     print("reward: first iteration %.2f -> last iterations %.2f" % (first, last))
@@ -194,7 +232,7 @@ def summarize(args, run: Dict, n_left: int) -> bool:
         Path(args.json).write_text(json.dumps({
             "history": history, "first_reward": first, "last_reward": last,
             "errors": len(run["errors"]), "sandboxes_left": n_left, "leases_open": leased,
-            "wall_s": run["wall_s"]}, indent=1))
+            "wall_s": run["wall_s"], "groups": groups}, indent=1))
     if args.plot:
         plot(history, args.plot)
     ok = n_left == 0 and leased == 0 and not run["errors"]
@@ -204,6 +242,22 @@ def summarize(args, run: Dict, n_left: int) -> bool:
             print("the reward did not rise by %.2f" % ROSE_BY)
         ok = ok and rose
     return ok
+
+
+def group_figures(records: List[Dict]) -> Dict:
+    """In group mode, per group (medians): the preparation done once (acquire, the
+    repository, its set-up, the tests), the fork, and what preparing each of its G
+    sandboxes from scratch would take instead: G preparations as measured. {} otherwise."""
+    firsts = {r["group"]: r for r in records if "group" in r}
+    if not firsts:
+        return {}
+    prepare = percentile([r["prepare_s"] * 1e3 for r in firsts.values()], 50)
+    fork = percentile([r["fork_s"] * 1e3 for r in firsts.values()], 50)
+    size = next(iter(firsts.values()))["group_size"]
+    forked, scratch = prepare + fork, prepare * size
+    return {"groups": len(firsts), "size": size, "prepare_p50_ms": prepare,
+            "fork_p50_ms": fork, "forked_ms": forked, "scratch_ms": scratch,
+            "saved_ms": scratch - forked, "saved_pct": 100.0 * (scratch - forked) / scratch}
 
 
 def plot(history: List[Dict], path: str) -> None:

@@ -403,9 +403,10 @@ class Reconciler(SnapshotOps):
     def release_ended(self, wanted: Dict[SandboxSpec, int]) -> None:
         for rec in self.records.walk(State.RELEASING):
             # reset it while its spec is wanted or in use (another episode is likely to
-            # follow); what turns out surplus is deleted after lingering
+            # follow); what turns out surplus is deleted after lingering. A fork's
+            # sandbox is kept only while wanted: its group took all it needed at once
             recently = self.clock.monotonic() - self.last_lent.get(rec.spec, -1e9) \
-                < SURPLUS_LINGER_S
+                < SURPLUS_LINGER_S and rec.spec.image not in self.fork_snapshots
             keep = (self.config.reuse == "reset" and self.provider.supports_reset
                     and (recently or self.records.supply.get(rec.spec, 0)
                          < wanted.get(rec.spec, 0)))

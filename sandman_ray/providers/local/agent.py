@@ -39,7 +39,8 @@ class NodeAgent:
 
     def __init__(self, pool: str, node_id: str, state_root: str, cache_root: str,
                  prefer_tools: bool = True, ready_timeout_s: float = 30.0,
-                 user_namespaces: bool = True, isolation: str = "namespaces"):
+                 user_namespaces: bool = True, isolation: str = "namespaces",
+                 snapshot_root: Optional[str] = None):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         from sandman_ray.providers.local.bwrap import secure_root, view_root
@@ -57,10 +58,12 @@ class NodeAgent:
         self.state.mkdir(parents=True, exist_ok=True)
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
-        self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
-                                 snapshots_root=cache / "snapshots")
         from sandman_ray.providers.local.snapshots import SnapshotStore
-        self.snapshot_store = SnapshotStore(cache / "snapshots", pool)
+        snapshots = secure_root(Path(snapshot_root) if snapshot_root else
+                                self.state_root / ".snapshots")
+        self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
+                                 snapshots_root=snapshots)
+        self.snapshot_store = SnapshotStore(snapshots, pool)
         # An agent that is not root runs each sandbox in a user namespace of its own uid
         # alone (bwrap.SandboxProcess, unprivileged): no ranges, no cgroups
         self.unprivileged = os.geteuid() != 0

@@ -18,13 +18,18 @@ __all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
 
 DEFAULT_STATE_ROOT = "/tmp/sandman-ray/state"
 DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
+# Snapshots in memory by default (a tmpfs): a layer of a thousand small files is copied
+# in ~45 ms there, and in 1.4 s on this machine's disk (~1 ms per file created)
+DEFAULT_SNAPSHOT_ROOT = "/dev/shm/sandman-ray/snapshots"
 
 
-def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list]:
+def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT,
+              snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> Dict[str, list]:
     """What of ``pool``'s sandboxes is left on this host, found without asking any actor:
     live sandbox processes (bwrap, the daemon, commands; not the janitors, which exit
     on their own), found by command line and in the sandboxes' cgroups; sandbox state
-    directories; and cgroups. Empty lists once a pool is shut down."""
+    directories and the pool's snapshots; and cgroups. Empty lists once a pool is shut
+    down."""
     from sandman_ray.providers.janitor import listed_pids, sandbox_groups, sandbox_processes
     pool_dir = Path(state_root) / pool
     processes = set(sandbox_processes(str(pool_dir) + "/",
@@ -33,8 +38,9 @@ def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT) -> Dict[str, list
     for group in groups:
         for leaf in sandbox_groups(group):
             processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
-    # state_root/pool/<node>/<agent incarnation>/<sandbox id>
+    # state_root/pool/<node>/<agent incarnation>/<sandbox id>, and the pool's snapshots
     directories = [str(d) for d in pool_dir.glob("*/*/*") if d.is_dir()]
+    directories += [str(d) for d in (Path(snapshot_root) / pool).glob("*")]
     return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
 
 
@@ -52,6 +58,10 @@ class LocalProvider(NodeAgentProvider):
     isolation: ``namespaces`` (bubblewrap, the default) or ``gvisor``: the same daemon
         under gVisor's user-space kernel (``runsc``; providers/local/gvisor.py), a stronger
         wall at a higher cost per system call.
+    snapshot_root: where each node keeps the pools' snapshots (providers/local/
+        snapshots.py): by default a tmpfs (memory, as the sandboxes' own writable
+        layers are); a directory on disk keeps large ones out of memory, at the disk's
+        speed of creating files.
     """
 
     supports_reset = True
@@ -66,7 +76,7 @@ class LocalProvider(NodeAgentProvider):
     def __init__(self, state_root: str = DEFAULT_STATE_ROOT,
                  cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
                  ready_timeout_s: float = 30.0, user_namespaces: bool = True,
-                 isolation: str = "namespaces"):
+                 isolation: str = "namespaces", snapshot_root: str = DEFAULT_SNAPSHOT_ROOT):
         super().__init__()
         if isolation not in ("namespaces", "gvisor"):
             raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
@@ -75,6 +85,7 @@ class LocalProvider(NodeAgentProvider):
         self.state_root, self.cache_root = state_root, cache_root
         self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
         self.user_namespaces = user_namespaces
+        self.snapshot_root = snapshot_root
 
     def agent_class(self):
         return NodeAgent
@@ -84,4 +95,5 @@ class LocalProvider(NodeAgentProvider):
 
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
-                self.ready_timeout_s, self.user_namespaces, self.isolation)
+                self.ready_timeout_s, self.user_namespaces, self.isolation,
+                self.snapshot_root)

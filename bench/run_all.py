@@ -43,6 +43,8 @@ On a local Ray with the LocalProvider:
          release and acquire again (a reset) versus a new sandbox per episode.
   stream MB/s of ``cat`` of a 100 MB file through ``sb.exec_stream``, directly and
          through ``.remote()``, and the daemon's RSS growth while a reader stops.
+  fork   a sandbox with 50 MB of new files forked into 8, until all answer with the
+         files intact, beside 8 fresh sandboxes that copy the files in (bench/forks.py).
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
   isolation  what each isolation level costs, one after the other in this run
          (``bench/local.py``'s measure): create -> first exec (one at a time) and
@@ -82,6 +84,7 @@ from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import forks  # noqa: E402  (bench/forks.py)
 import minimal_daemon  # noqa: E402
 import local  # noqa: E402  (bench/local.py)
 from local import create_and_exec, pss_kb  # noqa: E402
@@ -773,6 +776,8 @@ def table(results: dict, args) -> List[tuple]:
         rows.append(("reuse", "%s: %d episodes on %d sandboxes" % (name, row["episodes"], args.k),
                      "%.1f episodes/s" % row["episodes_per_s"],
                      "p50 %.1f ms, p99 %.1f ms" % (row["p50_ms"], row["p99_ms"])))
+    if "fork" in results:
+        rows += forks.rows(results["fork"])
     if "stream" in results:
         st = results["stream"]
         for name, rate in st["mb_per_s"].items():
@@ -946,7 +951,8 @@ def main(argv=None) -> int:
     parser.add_argument("--episodes", type=int, default=200, help="reuse: episodes")
     parser.add_argument("--k", type=int, default=4, help="reuse: sandboxes at a time")
     parser.add_argument("--cycles", type=int, default=200, help="cycle: lease cycles")
-    parser.add_argument("--sections", default="noop,burst,cycle,reuse,stream,cost,isolation")
+    parser.add_argument("--sections",
+                        default="noop,burst,cycle,reuse,fork,stream,cost,isolation")
     parser.add_argument("--creates", type=int, default=30,
                         help="isolation: creates one at a time per level")
     args = parser.parse_args(argv)
@@ -964,6 +970,8 @@ def main(argv=None) -> int:
             results["cycle"] = cycle(args.cycles, image)
         if "reuse" in sections:
             results["reuse"] = reuse(args.episodes, args.k, image)
+        if "fork" in sections:
+            results["fork"] = forks.fork_vs_fresh()
         if "cost" in sections:
             results["cost"] = cost(image)
         if "isolation" in sections:

@@ -211,8 +211,8 @@ class NodeAgent:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
-        if sandbox.cgroups is not None:  # a lease that ended paused: its daemon must answer
-            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.thaw)
+        if sandbox.cgroups is not None and sandbox.cgroups.frozen():
+            sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
         if sandbox.renewable and sandbox.layer is not None:
             from sandman_ray.providers.local.renew import NamespaceThread
             self.renewing = self.renewing or NamespaceThread()

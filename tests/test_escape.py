@@ -278,7 +278,8 @@ def test_a_snapshot_copies_what_a_sandbox_left_without_following_it(provider):
         assert "left" in out
         name = "hostile-%s" % uuid.uuid4().hex[:6]
         snap = run(provider.snapshot(sb.id, name))
-    layer = os.path.join(provider.snapshot_root, provider.pool, name, "layer")
+    layer = os.path.join(provider.snapshot_root, sb.info.node_id[:16], provider.pool, name,
+                         "layer")
     assert os.readlink(os.path.join(layer, "root", "shadow")) == "/etc/shadow"
     assert stat.S_ISFIFO(os.lstat(os.path.join(layer, "root", "fifo")).st_mode)
     suid = os.path.join(layer, "root", "suid")

@@ -74,3 +74,37 @@ def test_an_acquire_prefers_its_own_node_and_may_ask_for_another(cluster, busybo
             sandman.release(h)
     finally:
         sandman.shutdown_pool(pool)
+
+
+def test_a_snapshot_is_brought_to_the_node_a_sandbox_of_it_is_asked_on(cluster):
+    """A snapshot taken on this node; a sandbox of it asked on the other node is
+    started there once that node's agent brought the layer from this node's agent (the
+    files, a whiteout and an opaque directory intact, its base first when the snapshot
+    stacks on another); the pool's shutdown leaves no copy on either node."""
+    from pathlib import Path
+    from sandman_ray.providers.local import leftovers
+    from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
+    here = ray.get_runtime_context().get_node_id()
+    there = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    state = "/tmp/sandman-ray-test/cluster-state"
+    pool = "carry-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=sandman.LocalProvider(state_root=state, cache_root=CACHE))
+    try:
+        with sandman.sandbox(pool=pool, timeout=120, node=here) as sb:
+            sb.exec(["sh", "-c", "mkdir -p /work && echo base > /work/f && rm /etc/hostname"])
+            base = sandman.snapshot(sb, "base")
+        with sandman.sandbox(base, pool=pool, timeout=120, node=here) as sb:
+            sb.exec(["sh", "-c", "echo top > /work/g && rm -r /etc/default && "
+                                 "mkdir /etc/default && echo new > /etc/default/x"])
+            top = sandman.snapshot(sb, "top")
+        with sandman.sandbox(top, pool=pool, timeout=120, node=there) as far:
+            assert ray.get(far.node_id.remote()) == there
+            r = ray.get(far.exec.remote(["sh", "-c", "cat /work/f /work/g; ls /etc/default; "
+                                                     "test -e /etc/hostname || echo gone"]))
+            assert r.stdout == b"base\ntop\nx\ngone\n", r
+        stores = {p.parent.parent.name for p in Path(DEFAULT_SNAPSHOT_ROOT).glob(
+            "*/%s/top" % pool)}
+        assert stores == {here[:16], there[:16]}
+    finally:
+        sandman.shutdown_pool(pool)
+    assert leftovers(pool, state)["directories"] == []

@@ -42,9 +42,8 @@ def pool(cluster):
 
 
 def on_disk(pool: str) -> list:
-    """The pool's snapshot directories on this node's disk."""
-    return sorted(p.name for p in (SNAPSHOTS / pool).glob("*")) if (SNAPSHOTS / pool).exists() \
-        else []
+    """The pool's snapshot directories in the stores of this machine (one per node)."""
+    return sorted(p.name for p in SNAPSHOTS.glob("*/%s/*" % pool))
 
 
 def test_forks_start_from_the_parents_files_and_session_and_are_independent(pool):

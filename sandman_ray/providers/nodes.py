@@ -174,8 +174,7 @@ class NodeAgentProvider(Provider):
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,
                      labels_given: Dict[str, str]) -> SandboxInfo:
-        node = await self._snapshot_node(spec.image) or self._where.get(sandbox_id) or \
-            await self._pick_node()
+        node = await self._node_for(sandbox_id, spec.image)
         self._where[sandbox_id] = node
         labels = dict(spec.labels)
         labels.update(labels_given)
@@ -290,9 +289,8 @@ class NodeAgentProvider(Provider):
                 self._snapshot_nodes.pop(info.image, None)
 
     async def _snapshot_node(self, image: str) -> Optional[str]:
-        """The node holding the snapshot ``image`` (None: not a snapshot). A snapshot's
-        layer lives on the node it was taken on, and the sandboxes started from it run
-        there, wherever the pool would have placed them."""
+        """A node holding the snapshot ``image`` (None: not a snapshot): the one it was
+        taken on, or one it was brought to."""
         if not self.is_snapshot_image(image):
             return None
         node = self._snapshot_nodes.get(image)
@@ -306,6 +304,28 @@ class NodeAgentProvider(Provider):
     def is_snapshot_image(self, image: str) -> bool:
         """Whether ``image`` names a snapshot this kind of provider takes."""
         return False
+
+    #: whether an agent brings a snapshot from another node's agent (``fetch_snapshot``)
+    #: when a sandbox of it is placed there; else such sandboxes start on its node
+    carries_snapshots = False
+
+    async def _node_for(self, sandbox_id: str, image: str) -> str:
+        """The node a create goes to: where the pool placed it, else the next in turn;
+        for a snapshot's image, its node, or the placed node once the snapshot is
+        brought there."""
+        placed = self._where.get(sandbox_id)
+        holder = await self._snapshot_node(image)
+        if holder is None:
+            return placed or await self._pick_node()
+        if placed is None or placed == holder or not self.carries_snapshots:
+            return holder
+        try:
+            await self.agent(placed).fetch_snapshot.remote(image, self.agent(holder))
+        except ray.exceptions.RayActorError as exc:
+            raise self._agent_gone(placed, exc) from exc
+        except ProviderError as exc:
+            raise unwrapped(exc) from None
+        return placed
 
     async def pause(self, sandbox_id: str) -> None:
         await self._on_agent(await self._node_of(sandbox_id), "pause", sandbox_id)

@@ -59,8 +59,9 @@ class NodeAgent:
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
         from sandman_ray.providers.local.snapshots import SnapshotStore
-        snapshots = secure_root(Path(snapshot_root) if snapshot_root else
-                                self.state_root / ".snapshots")
+        # this node's own store: nodes that share a machine share none
+        snapshots = secure_root((Path(snapshot_root) if snapshot_root else
+                                 self.state_root / ".snapshots") / node_id[:16])
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
                                  snapshots_root=snapshots)
         self.snapshot_store = SnapshotStore(snapshots, pool)
@@ -86,6 +87,7 @@ class NodeAgent:
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
         self.labels: Dict[str, Dict[str, str]] = {}
         self.creating = SingleFlight()  # a retried create joins the one in flight
+        self.fetching = SingleFlight()  # snapshots being brought from another node
         self.launchers = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="sandman-launch")
         self.renewing = None  # a NamespaceThread, made on the first renew
         self.closed = False  # shut down: no sandbox may start or stay
@@ -279,7 +281,35 @@ class NodeAgent:
                 groups.thaw()
 
     async def snapshots(self) -> List[SnapshotInfo]:
-        return await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.list)
+        """The pool's snapshots this node holds (taken here, or brought here), each
+        with this node as its ``node_id``."""
+        import dataclasses
+        infos = await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.list)
+        return [dataclasses.replace(info, node_id=self.node_id) for info in infos]
+
+    async def export_snapshot(self, name: str) -> bytes:
+        """Snapshot ``name`` as a tar, for the agent of another node (``fetch_snapshot``)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.snapshot_store.export, name)
+
+    async def fetch_snapshot(self, image: str, source) -> None:
+        """Bring the snapshot ``image`` from the agent ``source`` into this node's store
+        (its base first, when that is a snapshot too); at most one fetch per snapshot
+        at a time, and none for one this node holds."""
+        from sandman_ray.providers.local.snapshots import parse_ref
+        _, name = parse_ref(image)
+        if (self.snapshot_store.path(name) / "meta.json").exists():
+            return
+        await self.fetching.run(name, lambda: self._fetch(name, source))
+
+    async def _fetch(self, name: str, source) -> None:
+        import json
+        loop = asyncio.get_running_loop()
+        data = await source.export_snapshot.remote(name)
+        meta = json.loads(_member(data, "meta.json"))
+        if str(meta.get("base", "")).startswith("snapshot:"):
+            await self.fetch_snapshot(meta["base"], source)
+        await loop.run_in_executor(None, self.snapshot_store.import_tar, name, data)
 
     async def delete_snapshot(self, name: str) -> None:
         """Remove snapshot ``name``; SnapshotInUse while a sandbox of this agent runs
@@ -333,6 +363,13 @@ class NodeAgent:
         if self.ranges is not None:
             self.ranges.close()
         return len(ids)
+
+
+def _member(tar_bytes: bytes, name: str) -> bytes:
+    import io
+    import tarfile
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r") as tar:
+        return tar.extractfile(name).read()
 
 
 def agent_group(pool: str, node_id: str, incarnation: str) -> str:

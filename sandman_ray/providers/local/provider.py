@@ -40,7 +40,7 @@ def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT,
             processes.update(listed_pids(os.path.join(leaf, "cgroup.procs")))
     # state_root/pool/<node>/<agent incarnation>/<sandbox id>, and the pool's snapshots
     directories = [str(d) for d in pool_dir.glob("*/*/*") if d.is_dir()]
-    directories += [str(d) for d in (Path(snapshot_root) / pool).glob("*")]
+    directories += [str(d) for d in Path(snapshot_root).glob("*/%s/*" % pool)]  # per node
     return {"processes": sorted(processes), "directories": directories, "cgroups": groups}
 
 
@@ -66,6 +66,7 @@ class LocalProvider(NodeAgentProvider):
 
     supports_reset = True
     supports_snapshots = True
+    carries_snapshots = True
     agent_kind = "agent"
     # No shared control plane: each create goes to the agent on a node of this cluster,
     # and what bounds it is that node's CPU (the bucket still backs off when creates

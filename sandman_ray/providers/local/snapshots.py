@@ -30,8 +30,15 @@ symbolic links: what the sandbox left cannot point the copy anywhere else.
 Processes are not captured (CRIU fails on this kernel): a sandbox started from a
 snapshot starts with its daemon alone.
 
-Layers live on the node where they were taken; the sandboxes started from one run on
-that node (``NodeAgentProvider._snapshot_node``).
+Each node has a store of its own (``<snapshot root>/<node>/<pool>/...``: nodes that
+share a machine share no store). A layer lives on the node where it was taken, and
+reaches another node on demand: when a sandbox of it is to start there, that node's
+agent asks the snapshot's agent for it (``export``: the layer and its meta as a tar,
+its whiteouts as character devices and its opaque directories as pax xattr records,
+through Ray's object store) and unpacks it into its own store (``import_tar``) first,
+the snapshot's base first when that is a snapshot too. Both agents are the pool's own;
+the tar is made from the store's own files, and is unpacked with tarfile's ``tar``
+filter (no member outside the store, no link out of it), the modes kept.
 """
 
 import json
@@ -124,6 +131,57 @@ class SnapshotStore:
             meta.pop("config", None)
             found.append(SnapshotInfo(**meta))
         return found
+
+    def export(self, name: str) -> bytes:
+        """Snapshot ``name`` (its meta and its layer) as a tar, for another node."""
+        import io
+        import tarfile
+        src = self.path(name)
+        if not (src / "meta.json").exists():
+            raise fatal("pool %s has no snapshot named %r on this node" % (self.pool, name))
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for path in [src / "meta.json", src / "layer"] + _below(src / "layer"):
+                info = tar.gettarinfo(str(path), arcname=str(path.relative_to(src)))
+                if info is None:  # a socket: a layer has none
+                    continue
+                for key in _xattrs(path):
+                    info.pax_headers["SCHILY.xattr." + key] = os.getxattr(
+                        path, key, follow_symlinks=False).decode("latin-1")
+                if info.isreg():
+                    with open(path, "rb") as fh:
+                        tar.addfile(info, fh)
+                else:
+                    tar.addfile(info)
+        return out.getvalue()
+
+    def import_tar(self, name: str, data: bytes) -> None:
+        """Unpack what ``export`` made on another node as snapshot ``name`` here (a
+        snapshot this node has already is kept)."""
+        import io
+        import tarfile
+        dest = self.path(name)
+        if (dest / "meta.json").exists():
+            return
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        building = self.dir / (".importing-%s-%d" % (name, os.getpid()))
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(mode=0o700)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+                members = tar.getmembers()
+                tar.extractall(building, members=members, numeric_owner=True,
+                               filter=_layer_members())
+            for member in members:  # the opaque directories' marks
+                for key, value in member.pax_headers.items():
+                    if key.startswith("SCHILY.xattr.") and \
+                            _copied_xattr(key[len("SCHILY.xattr."):]):
+                        os.setxattr(building / member.name, key[len("SCHILY.xattr."):],
+                                    value.encode("latin-1"), follow_symlinks=False)
+            os.rename(building, dest)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
 
     def delete(self, name: str) -> None:
         """Remove snapshot ``name``; SnapshotInUse while another snapshot of the pool
@@ -252,13 +310,51 @@ def _copy_plain(src: int, dst: int) -> int:
     return len(data)
 
 
+def _copied_xattr(key: str) -> bool:
+    return key in _COPIED_XATTRS or key.startswith("user.")
+
+
+def _xattrs(path) -> list:
+    try:
+        return [k for k in os.listxattr(path, follow_symlinks=False) if _copied_xattr(k)]
+    except OSError:
+        return []
+
+
+def _below(top: Path) -> List[Path]:
+    """Every path below ``top``, parents first, without following links."""
+    found = []
+    for parent, dirs, files in os.walk(top, followlinks=False):
+        dirs.sort()
+        found += [Path(parent) / name for name in sorted(dirs + files)]
+    return found
+
+
+def _layer_members():
+    """The extraction filter of an exported snapshot: members are what a layer holds
+    (absolute link targets included: ``/usr/bin/python`` and the like resolve in the
+    sandbox's root), owners and modes as they are; a name that is absolute, climbs
+    with ``..`` or lies below a link of the archive is refused."""
+    links = set()
+
+    def check(member, path):
+        parts = member.name.split("/")
+        if member.name.startswith("/") or ".." in parts or any(
+                "/".join(parts[:i]) in links for i in range(1, len(parts))):
+            raise ValueError("snapshot archive member %r is outside its layer" % member.name)
+        if member.issym() or member.islnk():
+            links.add(member.name)
+        return member
+    return check
+
+
 def _copy_xattrs(src: int, dst: int) -> None:
     try:
         names = os.listxattr(src)
     except OSError:
         return
     for key in names:
-        if key in _COPIED_XATTRS or key.startswith("user."):
+        if _copied_xattr(key):
             try:
                 os.setxattr(dst, key, os.getxattr(src, key))
             except OSError:

@@ -295,3 +295,55 @@ def test_a_snapshot_copies_what_a_sandbox_left_without_following_it(provider):
         assert sh(fork, "setpriv --reuid 1000 --regid 1000 --clear-groups /root/suid -c "
                         "'id -u'").strip() == "1000"
     assert open("/etc/shadow", "rb").read() == shadow
+
+
+def test_a_snapshot_costs_what_the_layer_holds_and_stops_at_its_budget(provider):
+    """A sparse terabyte and hard links cost a snapshot what they hold on the
+    sandbox's tmpfs, not what they claim; a layer past the pool's snapshot budget, or
+    deeper than the copy walks, is refused, and nothing of it is left."""
+    from conftest import run
+    from sandman_ray.errors import ProviderError
+    from sandman_ray.providers.local import LocalProvider
+    with Sandbox(provider, "builtin:debian") as sb:
+        sh(sb, "truncate -s 1T /root/sparse && head -c 4000000 /dev/urandom > /root/a && "
+               "ln /root/a /root/b")
+        snap = run(provider.snapshot(sb.id, "sparse-%s" % uuid.uuid4().hex[:6]))
+    assert 4_000_000 <= snap.size_bytes < 5_000_000, snap
+    with Sandbox(provider, snap.image) as fork:
+        assert sh(fork, "stat -c '%s %h' /root/sparse /root/b") == "1099511627776 1\n4000000 2\n"
+    small = LocalProvider(state_root=provider.state_root, cache_root=provider.cache_root,
+                          snapshot_bytes=1_000_000).bind("budget-%s" % uuid.uuid4().hex[:6])
+    try:
+        with Sandbox(small, "builtin:debian") as sb:
+            sh(sb, "head -c 3000000 /dev/urandom > /root/big")
+            with pytest.raises(ProviderError, match="more than 1000000 bytes"):
+                run(small.snapshot(sb.id, "too-big"))
+            sh(sb, "rm /root/big; mkdir -p /root/$(yes d | head -300 | tr '\\n' /)")
+            with pytest.raises(ProviderError, match="deeper than 256"):
+                run(small.snapshot(sb.id, "too-deep"))
+            assert run(small.snapshots()) == []
+            store = os.path.join(small.snapshot_root, sb.info.node_id[:16], small.pool)
+            assert os.listdir(store) == []
+    finally:
+        run(small.shutdown())
+
+
+def test_a_file_swapped_for_a_fifo_under_the_copy_is_refused_not_waited_on(tmp_path):
+    """The copy opens a file it found regular without blocking and checks it is still
+    that file: a FIFO put in its place (a sandbox that was not frozen) fails the
+    snapshot at once instead of hanging the agent's thread."""
+    from sandman_ray.errors import ProviderError
+    from sandman_ray.providers.local.snapshots import Copy, _copy_file
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    looked = os.stat(tmp_path / "src" / "f")
+    os.unlink(tmp_path / "src" / "f")
+    os.mkfifo(tmp_path / "src" / "f")
+    s_dir, d_dir = (os.open(tmp_path / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("src", "dst"))
+    try:
+        with pytest.raises(ProviderError, match="changed while it was copied"):
+            _copy_file("f", s_dir, d_dir, looked, (0, 0), Copy(None))
+    finally:
+        os.close(s_dir)
+        os.close(d_dir)

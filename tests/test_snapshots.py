@@ -244,3 +244,20 @@ def test_the_cli_lists_deletes_and_counts_snapshots_at_shutdown(cluster):
     down = sandman_cmd("shutdown", pool)
     assert down.returncode == 0 and "1 snapshots" in down.stdout, down
     assert on_disk(pool) == []
+
+
+def test_a_paused_sandbox_goes_with_its_dead_agent(cluster):
+    """An agent that dies while one of its sandboxes is paused (frozen processes do
+    not die of SIGKILL): its janitor thaws and kills them, and nothing is left."""
+    from sandman_ray.providers.nodes import NAMESPACE, agent_name
+    pool = make_pool()
+    try:
+        sb = sandman.acquire(pool=pool, timeout=120)
+        sb.spawn("sleep 1000")
+        sandman.pause(sb)
+        assert leftovers(pool, STATE)["processes"]
+        ray.kill(ray.get_actor(agent_name(pool, ray.get(sb.node_id.remote())), namespace=NAMESPACE))
+        wait_until(lambda: not leftovers(pool, STATE)["processes"], timeout=60,
+                   what="the janitor to remove the paused sandbox's processes")
+    finally:
+        sandman.shutdown_pool(pool)

@@ -34,6 +34,7 @@ class SnapshotOps:
     def _init_snapshots(self) -> None:
         self.snapshots = {}
         self.fork_snapshots = set()
+        self.taking = set()  # names of snapshots being taken
 
     def _held(self, lease_id: str, holder: Optional[str], op: str) -> Sandbox:
         """The sandbox of a lease ``holder`` holds; LeaseEnded for one that is over."""
@@ -53,9 +54,13 @@ class SnapshotOps:
         ``for_fork``: the snapshot is deleted with the last sandbox started from it."""
         name = check_snapshot_name(name or "snap-" + uuid.uuid4().hex[:12])
         rec = self._held(lease_id, holder, "snapshot")
-        if name in self.snapshots:
+        if name in self.snapshots or name in self.taking:
             raise ValueError("pool %s already has a snapshot named %r" % (self.name, name))
-        info = await self.provider.snapshot(rec.sandbox_id, name)
+        self.taking.add(name)  # the name is this call's while the provider copies
+        try:
+            info = await self.provider.snapshot(rec.sandbox_id, name)
+        finally:
+            self.taking.discard(name)
         self.snapshots[name] = info
         if for_fork:
             self.fork_snapshots.add(info.image)

@@ -63,6 +63,7 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
     # gone. Not our children: exited processes have an empty command line even before
     # their parent reaps them.
     deadline = time.monotonic() + wait_s
+    thaw_groups(cgroup_dirs)  # a frozen (paused) process does not die of SIGKILL
     while True:
         pids = sandbox_processes(state_dir)
         kill(pids)
@@ -83,6 +84,7 @@ def clean(state_dir: str, cgroup_dirs, wait_s: float = 10.0) -> None:
 def clean_cgroups(groups) -> None:
     """Kill what is left in each group's sandbox groups (a daemon whose bwrap died
     without taking it along), then remove them and the group."""
+    thaw_groups(groups)
     for group in groups:
         leaves = sandbox_groups(group)
         for leaf in leaves:
@@ -92,6 +94,19 @@ def clean_cgroups(groups) -> None:
                 remove_cgroup(leaf)
             except OSError:
                 pass
+
+
+def thaw_groups(groups) -> None:
+    """Thaw every sandbox group under the agents' ``groups`` that a pause froze (v1
+    freezer.state, v2 cgroup.freeze), so that their processes can be killed."""
+    for group in groups:
+        for leaf in sandbox_groups(group):
+            for name, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                try:
+                    with open(os.path.join(leaf, name), "w") as fh:
+                        fh.write(value)
+                except OSError:
+                    pass
 
 
 def sandbox_groups(group: str):

@@ -397,11 +397,11 @@ def _shift_inside(upper: str, uids, gids) -> list:
             changed.append((path, st, caps))
             _set_owner(path, st, caps, st.st_uid if uid is None else uid,
                        st.st_gid if gid is None else gid)
-    except OSError as exc:
+    except BaseException as exc:  # a RecursionError of a deep tree too: put all back
         _shift_back(changed)
         raise fatal("commit: cannot give the files of the writable layer %s their ids "
                     "inside the container (the agent must run as root on the engine's "
-                    "host): %s" % (upper, exc)) from exc
+                    "host): %s: %s" % (upper, type(exc).__name__, exc)) from exc
     return changed
 
 
@@ -420,10 +420,17 @@ def _shift_back(changed: list) -> None:
 
 
 def _walk(top: str):
+    """``top`` and every path below it, without following links; iterative (os.walk
+    recurses, and a container can make a tree deeper than Python's stack)."""
     yield top
-    for root, dirs, files in os.walk(top):
-        for name in dirs + files:
-            yield os.path.join(root, name)
+    pending = [top]
+    while pending:
+        parent = pending.pop()
+        with os.scandir(parent) as entries:
+            for entry in entries:
+                yield entry.path
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
 
 
 def _capabilities(path: str, st: os.stat_result) -> Optional[bytes]:

@@ -40,7 +40,7 @@ class NodeAgent:
     def __init__(self, pool: str, node_id: str, state_root: str, cache_root: str,
                  prefer_tools: bool = True, ready_timeout_s: float = 30.0,
                  user_namespaces: bool = True, isolation: str = "namespaces",
-                 snapshot_root: Optional[str] = None):
+                 snapshot_root: Optional[str] = None, snapshot_bytes: Optional[int] = None):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         from sandman_ray.providers.local.bwrap import secure_root, view_root
@@ -65,6 +65,9 @@ class NodeAgent:
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
                                  snapshots_root=snapshots)
         self.snapshot_store = SnapshotStore(snapshots, pool)
+        if snapshot_bytes is None:
+            fs = os.statvfs(snapshots)
+            snapshot_bytes = fs.f_blocks * fs.f_frsize // 2
         # An agent that is not root runs each sandbox in a user namespace of its own uid
         # alone (bwrap.SandboxProcess, unprivileged): no ranges, no cgroups
         self.unprivileged = os.geteuid() != 0
@@ -88,6 +91,13 @@ class NodeAgent:
         self.labels: Dict[str, Dict[str, str]] = {}
         self.creating = SingleFlight()  # a retried create joins the one in flight
         self.fetching = SingleFlight()  # snapshots being brought from another node
+        self.locks: Dict[str, asyncio.Lock] = {}  # sandbox id -> its snapshot/pause lock
+        # copies run on threads of their own: a slow one never holds up creates
+        self.capturing = ThreadPoolExecutor(2, thread_name_prefix="sandman-snapshot")
+        self.captures = set()  # copies in flight (a shutdown waits for them)
+        # what the pool's snapshots may hold on this node (None: half the store's
+        # filesystem; SnapshotStore.room also keeps a tenth of it free)
+        self.snapshot_bytes = snapshot_bytes
         self.launchers = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="sandman-launch")
         self.renewing = None  # a NamespaceThread, made on the first renew
         self.closed = False  # shut down: no sandbox may start or stay
@@ -197,6 +207,7 @@ class NodeAgent:
     async def delete(self, sandbox_id: str) -> None:
         sandbox = self.sandboxes.pop(sandbox_id, None)
         self.labels.pop(sandbox_id, None)
+        self.locks.pop(sandbox_id, None)
         if sandbox is not None:
             await self._remove(sandbox)
 
@@ -213,8 +224,9 @@ class NodeAgent:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
-        if sandbox.cgroups is not None and sandbox.cgroups.frozen():
-            sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
+        async with self._lock(sandbox_id):  # after a snapshot under way
+            if sandbox.cgroups is not None and sandbox.cgroups.frozen():
+                sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
         if sandbox.renewable and sandbox.layer is not None:
             from sandman_ray.providers.local.renew import NamespaceThread
             self.renewing = self.renewing or NamespaceThread()
@@ -256,28 +268,48 @@ class NodeAgent:
             raise fatal(str(exc)) from None
         if unsupported_why(sandbox) is not None:
             raise not_supported(sandbox)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._capture, sandbox, name)
+        if sandbox.cgroups is None or sandbox.cgroups._freezer() is None:
+            raise NotSupported("snapshot of sandbox %s needs a freezer cgroup to copy its "
+                               "files at one moment, which this host does not give it"
+                               % sandbox_id)
+        async with self._lock(sandbox_id):  # no pause, resume, reset or capture meanwhile
+            if self.closed or self.sandboxes.get(sandbox_id) is not sandbox:
+                raise fatal("snapshot: sandbox %s is gone" % sandbox_id)
+            task = asyncio.get_running_loop().run_in_executor(
+                self.capturing, self._capture, sandbox, name)
+            self.captures.add(task)
+            try:
+                return await asyncio.shield(task)
+            finally:
+                self.captures.discard(task)
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        """The lock that keeps a sandbox's snapshot, pause, resume and reset apart."""
+        return self.locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _capture(self, sandbox, name: str) -> SnapshotInfo:
+        """On a capture thread: freeze (unless paused already), copy, thaw; a sandbox
+        that cannot be frozen is not copied."""
         groups = sandbox.cgroups
-        was_frozen = groups is not None and groups.frozen()
-        if groups is not None and not was_frozen:
+        was_frozen = groups.frozen()
+        if not was_frozen:
             try:
                 groups.freeze()
-            except OSError as exc:  # no freezer here: a copy of a running sandbox
-                logger.info("pool %s: snapshot of %s without freezing it: %s", self.pool,
-                            sandbox.sandbox_id, exc)
+            except OSError as exc:
+                groups.thaw()
+                raise transient("snapshot of sandbox %s: it could not be frozen: %s"
+                                % (sandbox.sandbox_id, exc)) from exc
         try:
             upper = sandbox.open_upper()
             try:
                 return self.snapshot_store.capture(
                     upper, name, sandbox.ids.base if sandbox.ids is not None else 0,
-                    sandbox.image, sandbox.sandbox_id, self.node_id)
+                    sandbox.image, sandbox.sandbox_id, self.node_id,
+                    self.snapshot_store.room(self.snapshot_bytes))
             finally:
                 os.close(upper)
         finally:
-            if groups is not None and not was_frozen:
+            if not was_frozen:
                 groups.thaw()
 
     async def snapshots(self) -> List[SnapshotInfo]:
@@ -331,16 +363,18 @@ class NodeAgent:
             raise NotSupported("pause of sandbox %s needs a freezer cgroup, which this "
                                "agent has not (an agent that is not root, or a host "
                                "without the freezer)" % sandbox_id)
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.freeze)
-        except OSError as exc:
-            sandbox.cgroups.thaw()
-            raise transient("pause of sandbox %s: %s" % (sandbox_id, exc)) from exc
+        async with self._lock(sandbox_id):
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.freeze)
+            except OSError as exc:
+                sandbox.cgroups.thaw()
+                raise transient("pause of sandbox %s: %s" % (sandbox_id, exc)) from exc
 
     async def resume(self, sandbox_id: str) -> None:
         sandbox = self._sandbox(sandbox_id, "resume")
         if sandbox.cgroups is not None:
-            await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.thaw)
+            async with self._lock(sandbox_id):
+                sandbox.cgroups.thaw()
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()
@@ -352,7 +386,8 @@ class NodeAgent:
         are removed as they finish); returns how many there were. No create starts
         afterwards."""
         self.closed = True
-        await asyncio.gather(*self.creating.running.values(), return_exceptions=True)
+        await asyncio.gather(*self.creating.running.values(), *self.captures,
+                             return_exceptions=True)
         ids = list(self.sandboxes)
         await asyncio.gather(*(self.delete(sid) for sid in ids))
         from sandman_ray.providers.janitor import clean

@@ -169,6 +169,12 @@ def secure_root(path: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     for ancestor in path.parents:
+        link = os.lstat(ancestor)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid != 0:
+            # another user could point it elsewhere later (/dev/shm and /tmp are
+            # everyone's to write in)
+            raise ProviderError("state or cache root %s: %s is a link of uid %d: refused"
+                                % (path, ancestor, link.st_uid), "fatal")
         mode = os.stat(ancestor)
         if mode.st_uid not in (0, os.geteuid()) or (
                 mode.st_mode & 0o022 and not mode.st_mode & stat.S_ISVTX):

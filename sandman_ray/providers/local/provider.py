@@ -9,7 +9,7 @@ the next agent of that pool and node removes whatever state the last one left.
 
 import os
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 from sandman_ray.providers.local.agent import NodeAgent, agent_groups
 from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, agent_name
@@ -62,6 +62,9 @@ class LocalProvider(NodeAgentProvider):
         snapshots.py): by default a tmpfs (memory, as the sandboxes' own writable
         layers are); a directory on disk keeps large ones out of memory, at the disk's
         speed of creating files.
+    snapshot_bytes: the most a pool's snapshots may hold on a node (None: half the
+        snapshot root's filesystem); a snapshot past it, or past a tenth of that
+        filesystem left free, is refused.
     """
 
     supports_reset = True
@@ -77,7 +80,8 @@ class LocalProvider(NodeAgentProvider):
     def __init__(self, state_root: str = DEFAULT_STATE_ROOT,
                  cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
                  ready_timeout_s: float = 30.0, user_namespaces: bool = True,
-                 isolation: str = "namespaces", snapshot_root: str = DEFAULT_SNAPSHOT_ROOT):
+                 isolation: str = "namespaces", snapshot_root: str = DEFAULT_SNAPSHOT_ROOT,
+                 snapshot_bytes: Optional[int] = None):
         super().__init__()
         if isolation not in ("namespaces", "gvisor"):
             raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
@@ -86,7 +90,7 @@ class LocalProvider(NodeAgentProvider):
         self.state_root, self.cache_root = state_root, cache_root
         self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
         self.user_namespaces = user_namespaces
-        self.snapshot_root = snapshot_root
+        self.snapshot_root, self.snapshot_bytes = snapshot_root, snapshot_bytes
 
     def agent_class(self):
         return NodeAgent
@@ -97,4 +101,4 @@ class LocalProvider(NodeAgentProvider):
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
                 self.ready_timeout_s, self.user_namespaces, self.isolation,
-                self.snapshot_root)
+                self.snapshot_root, self.snapshot_bytes)

@@ -43,6 +43,7 @@ filter (no member outside the store, no link out of it), the modes kept.
 
 import json
 import os
+import secrets
 import shutil
 import stat
 import time
@@ -83,22 +84,23 @@ class SnapshotStore:
         return self.dir / check_name(name)
 
     def capture(self, upper_fd: int, name: str, base_id: int, image, source: str,
-                node_id: Optional[str]) -> SnapshotInfo:
+                node_id: Optional[str], budget: Optional[int] = None) -> SnapshotInfo:
         """Copy the upper directory open as ``upper_fd`` (a sandbox whose root inside
         is host id ``base_id``, started from the PreparedImage ``image``) as snapshot
-        ``name``. Blocking: the agent runs it on a thread, with the sandbox frozen."""
+        ``name``, refused past ``budget`` bytes (``room``). Blocking: the agent runs it
+        on a thread, with the sandbox frozen."""
         dest = self.path(name)
         if dest.exists():
             raise fatal("pool %s already has a snapshot named %r" % (self.pool, name))
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        building = self.dir / (".building-%s-%d" % (name, os.getpid()))
-        shutil.rmtree(building, ignore_errors=True)
+        building = self.dir / (".building-%s-%s" % (name, secrets.token_hex(4)))
         building.mkdir(mode=0o700)
         try:
             (building / "layer").mkdir(mode=0o755)
-            layer = os.open(building / "layer", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            layer = os.open(building / "layer", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW |
+                            os.O_CLOEXEC)
             try:
-                size = copy_layer(upper_fd, layer, base_id)
+                size = copy_layer(upper_fd, layer, base_id, budget)
             finally:
                 os.close(layer)
             info = SnapshotInfo(name=name, image=image_ref(self.pool, name), base=image.image,
@@ -121,9 +123,18 @@ class SnapshotStore:
             raise fatal("pool %s has no snapshot named %r on this node"
                         % (self.pool, name)) from None
 
+    def room(self, limit: int) -> int:
+        """Bytes a new snapshot of this pool may take here: ``limit`` less what its
+        snapshots hold, and no more than the filesystem has free past a reserve of a
+        tenth of its size."""
+        held = sum(info.size_bytes for info in self.list())
+        fs = os.statvfs(self.root)
+        free = fs.f_bavail * fs.f_frsize - fs.f_blocks * fs.f_frsize // 10
+        return max(0, min(limit - held, free))
+
     def list(self) -> List[SnapshotInfo]:
         found = []
-        for entry in sorted(self.dir.glob("*/meta.json")):
+        for entry in sorted(self.dir.glob("[!.]*/meta.json")):
             try:
                 meta = json.loads(entry.read_text())
             except (OSError, ValueError):
@@ -164,8 +175,7 @@ class SnapshotStore:
         if (dest / "meta.json").exists():
             return
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        building = self.dir / (".importing-%s-%d" % (name, os.getpid()))
-        shutil.rmtree(building, ignore_errors=True)
+        building = self.dir / (".importing-%s-%s" % (name, secrets.token_hex(4)))
         building.mkdir(mode=0o700)
         try:
             with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
@@ -194,7 +204,7 @@ class SnapshotStore:
         target = self.path(name)
         if not target.exists():
             return
-        doomed = self.dir / (".deleting-%s-%d" % (name, os.getpid()))
+        doomed = self.dir / (".deleting-%s-%s" % (name, secrets.token_hex(4)))
         os.rename(target, doomed)  # gone from listings at once
         shutil.rmtree(doomed, ignore_errors=True)
 
@@ -205,31 +215,66 @@ class SnapshotStore:
         return count
 
 
-def copy_layer(src: int, dst: int, base_id: int) -> int:
+MAX_DEPTH = 256  # directory levels a layer may have (deeper: the snapshot is refused)
+
+
+class Copy:
+    """One layer's copy: the bytes it allocated so far against ``budget`` (None: no
+    limit), and the files of more than one link already copied (inode -> the path of
+    the first, from the destination's root), which the next names link to."""
+
+    def __init__(self, budget: Optional[int]):
+        self.budget = budget
+        self.allocated = 0
+        self.linked = {}
+
+    def charge(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        if self.budget is not None and self.allocated > self.budget:
+            raise fatal("the snapshot would hold more than %d bytes, the room left for this "
+                        "pool's snapshots on this node" % self.budget)
+
+
+def copy_layer(src: int, dst: int, base_id: int, budget: Optional[int] = None) -> int:
     """Copy the tree below the directory ``src`` into the empty directory ``dst``
-    (both descriptors), owners shifted down by ``base_id``; the bytes of file data
-    copied. Iterative (a deep tree cannot exhaust the stack); the root's own mode and
-    owner are copied too."""
-    total = 0
+    (both descriptors), owners shifted down by ``base_id``; the bytes allocated for it.
+    Iterative, each directory opened (component by component, no link followed) only
+    when its turn comes, so neither a deep nor a wide tree exhausts the stack or the
+    descriptors; deeper than MAX_DEPTH is refused. Holes stay holes, hard links stay
+    links, and past ``budget`` bytes the copy stops (``fatal``)."""
+    copy = Copy(budget)
     own = os.fstat(src)
     os.fchmod(dst, stat.S_IMODE(own.st_mode))
     os.fchown(dst, *_shifted(own, base_id))
-    stack = [(os.dup(src), os.dup(dst))]
-    try:
-        while stack:
-            s_dir, d_dir = stack.pop()
-            try:
-                for entry in os.scandir(s_dir):
-                    total += _copy_entry(entry.name, s_dir, d_dir, base_id, stack)
-                _copy_xattrs(s_dir, d_dir)
-            finally:
-                os.close(s_dir)
-                os.close(d_dir)
-    finally:
-        for s_dir, d_dir in stack:
+    stack = [()]  # directories to copy, as paths of components below the roots
+    while stack:
+        parts = stack.pop()
+        if len(parts) > MAX_DEPTH:
+            raise fatal("the layer is deeper than %d directories" % MAX_DEPTH)
+        s_dir, d_dir = _open_below(src, parts), None
+        try:
+            d_dir = _open_below(dst, parts)
+            for entry in os.scandir(s_dir):
+                _copy_entry(entry.name, parts, s_dir, d_dir, dst, base_id, stack, copy)
+            _copy_xattrs(s_dir, d_dir)
+        finally:
             os.close(s_dir)
-            os.close(d_dir)
-    return total
+            if d_dir is not None:
+                os.close(d_dir)
+    return copy.allocated
+
+
+def _open_below(root: int, parts) -> int:
+    """The directory ``root``/``parts...`` open, no link followed on the way."""
+    fd = os.dup(root)
+    for part in parts:
+        try:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
 
 
 def _shifted(st: os.stat_result, base_id: int):
@@ -239,26 +284,25 @@ def _shifted(st: os.stat_result, base_id: int):
     return (uid if 0 <= uid < _IDS else 0), (gid if 0 <= gid < _IDS else 0)
 
 
-def _copy_entry(name: str, s_dir: int, d_dir: int, base_id: int, stack: list) -> int:
+def _copy_entry(name: str, parts, s_dir: int, d_dir: int, d_root: int, base_id: int,
+                stack: list, copy: Copy) -> None:
     st = os.stat(name, dir_fd=s_dir, follow_symlinks=False)
     mode, owner = st.st_mode, _shifted(st, base_id)
-    size = 0
     if stat.S_ISDIR(mode):
         os.mkdir(name, 0o700, dir_fd=d_dir)
-        sub_s = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                        dir_fd=s_dir)
-        try:
-            sub_d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                            dir_fd=d_dir)
-        except BaseException:
-            os.close(sub_s)
-            raise
-        os.fchmod(sub_d, stat.S_IMODE(mode))
-        os.fchown(sub_d, *owner)
-        stack.append((sub_s, sub_d))
-        return 0
+        os.chmod(name, stat.S_IMODE(mode), dir_fd=d_dir)
+        os.chown(name, *owner, dir_fd=d_dir, follow_symlinks=False)
+        stack.append(parts + (name,))
+        return
+    if stat.S_ISREG(mode) and st.st_nlink > 1 and st.st_ino in copy.linked:
+        os.link(copy.linked[st.st_ino], name, src_dir_fd=d_root, dst_dir_fd=d_dir,
+                follow_symlinks=False)
+        return
     if stat.S_ISREG(mode):
-        return _copy_file(name, s_dir, d_dir, st, owner)
+        _copy_file(name, s_dir, d_dir, st, owner, copy)
+        if st.st_nlink > 1:
+            copy.linked[st.st_ino] = "/".join(parts + (name,))
+        return
     if stat.S_ISLNK(mode):
         os.symlink(os.readlink(name, dir_fd=s_dir), name, dir_fd=d_dir)
     elif stat.S_ISCHR(mode) and st.st_rdev == 0:  # a whiteout: the image's file was deleted
@@ -266,31 +310,29 @@ def _copy_entry(name: str, s_dir: int, d_dir: int, base_id: int, stack: list) ->
     elif stat.S_ISFIFO(mode):
         os.mkfifo(name, 0o600, dir_fd=d_dir)
     else:
-        return 0  # sockets and device nodes: not files a snapshot carries
+        return  # sockets and device nodes: not files a snapshot carries
     os.chown(name, *owner, dir_fd=d_dir, follow_symlinks=False)
     if not stat.S_ISLNK(mode):
         os.chmod(name, stat.S_IMODE(mode), dir_fd=d_dir)
     os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d_dir, follow_symlinks=False)
-    return size
 
 
-def _copy_file(name: str, s_dir: int, d_dir: int, st, owner) -> int:
-    """A regular file's data (``sendfile``: in the kernel, tmpfs to disk), attributes,
-    owner, mode and times, set through its descriptor."""
-    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=s_dir)
+def _copy_file(name: str, s_dir: int, d_dir: int, st, owner, copy: Copy) -> None:
+    """A regular file's data extents (``sendfile``; its holes stay holes), attributes,
+    owner, mode and times, set through its descriptor. Opened without blocking and
+    checked to be the file that was looked at: a FIFO put in its place (the sandbox is
+    frozen, but a capture must not hang on a layer it does not trust) is refused."""
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                  dir_fd=s_dir)
     try:
+        now = os.fstat(src)
+        if not stat.S_ISREG(now.st_mode) or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            raise fatal("snapshot: %r changed while it was copied" % name)
+        copy.charge(now.st_blocks * 512)
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=d_dir)
         try:
-            copied = 0
-            while copied < st.st_size or copied == 0:
-                try:
-                    n = os.sendfile(dst, src, None, max(st.st_size - copied, 1 << 20))
-                except OSError:
-                    n = _copy_plain(src, dst)
-                if n == 0:
-                    break
-                copied += n
+            _copy_extents(src, dst, now.st_size)
             _copy_xattrs(src, dst)
             os.fchown(dst, *owner)
             os.fchmod(dst, stat.S_IMODE(st.st_mode))
@@ -299,7 +341,30 @@ def _copy_file(name: str, s_dir: int, d_dir: int, st, owner) -> int:
             os.close(dst)
     finally:
         os.close(src)
-    return copied
+
+
+def _copy_extents(src: int, dst: int, size: int) -> None:
+    """The data of ``src`` into ``dst`` at the same offsets, holes skipped, then the
+    size set: a sparse terabyte costs what it holds."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data past offset
+            break
+        end = os.lseek(src, start, os.SEEK_HOLE)
+        os.lseek(dst, start, os.SEEK_SET)
+        while start < end:
+            try:
+                n = os.sendfile(dst, src, start, end - start)
+            except OSError:
+                os.lseek(src, start, os.SEEK_SET)
+                n = _copy_plain(src, dst)
+            if n == 0:
+                break
+            start += n
+        offset = end
+    os.ftruncate(dst, size)
 
 
 def _copy_plain(src: int, dst: int) -> int:

@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Uni
 from sandman_ray.daemon.sandmand.wire import (
     MAX_FRAME, PROTOCOL_VERSION, CodecError, FrameReader, encode_frame, unpack)
 from sandman_ray.errors import (
-    AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError, ResultTooLarge)
+    AuthError, CallTimeout, ConnectionLost, DaemonError, ProtocolError, ResultTooLarge,
+    SandmanError)
 from sandman_ray.results import (  # noqa: F401 - ExecResult ... are the client's too
     ExecResult, FileStat, Listing, ProcessOutput, ProcessStatus)
 
@@ -427,6 +428,10 @@ def _reply_value(reply: Dict[str, Any], op: str):
                       err.get("errno"))
 
 
+# how long a client whose send failed looks for the daemon's reason (already sent)
+REFUSAL_WAIT_S = 0.5
+
+
 def _connection_error(reply: Dict[str, Any]) -> Exception:
     """The exception for a frame with no request id: the daemon is closing on us."""
     err = reply.get("error") or {}
@@ -621,8 +626,21 @@ class DaemonClient(_Operations):
             except CallTimeout:  # a TimeoutError, so an OSError: not a lost connection
                 raise
             except OSError as exc:
+                refusal = self._refusal()
+                if refusal is not None:
+                    raise refusal from exc
                 raise ConnectionLost("connection to %s lost during %s: %s"
                                      % (self.address, op, exc)) from exc
+
+    def _refusal(self) -> Optional[Exception]:
+        """After a send failed: why the daemon closed, when its word is already here (a
+        hello sent with the first call, refused: the daemon answers and closes before
+        that call's frame is written, which then fails with EPIPE)."""
+        try:
+            reply = self._next_frame(time.monotonic() + REFUSAL_WAIT_S, "hello", None)
+        except (SandmanError, OSError):
+            return None
+        return _connection_error(reply) if reply.get("id") is None else None
 
     def _set_timeout(self, timeout: Optional[float]) -> None:
         # settimeout costs two fcntl calls; the common case (no deadline) needs none

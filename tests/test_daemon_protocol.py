@@ -262,3 +262,20 @@ def test_a_hello_sent_with_the_first_call_still_guards_it(daemon, tmp_path):
     with DaemonClient(daemon.address, daemon.token, hello_first=False) as right:
         assert right.exec(["touch", str(marker)]).ok
     assert marker.exists()
+
+
+def test_a_refused_hello_is_said_even_when_the_daemon_closed_before_the_call_was_sent(
+        daemon, tmp_path):
+    """The daemon answers a wrong hello and closes at once: a first call written after
+    that fails to send (EPIPE), and the client still raises the daemon's AuthError
+    (read from what it already received), not a lost connection. Here the call waits
+    until the refusal has arrived, so the send always fails."""
+    import select
+    wrong = DaemonClient(daemon.address, "not-the-token", hello_first=False)
+    try:
+        assert select.select([wrong._sock], [], [], 10)[0]  # the refusal is here
+        with pytest.raises(AuthError):
+            wrong.exec(["touch", str(tmp_path / "ran")])
+    finally:
+        wrong.close()
+    assert not (tmp_path / "ran").exists()

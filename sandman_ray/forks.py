@@ -26,12 +26,9 @@ from typing import List, Optional
 
 import ray
 
-from sandman_ray.api import SpecLike, acquire, acquire_async, get_pool, release, release_async
+from sandman_ray.api import SpecLike, acquire_async, get_pool, release_async
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.spec import SandboxSpec
-
-FORK_THREADS = 32  # acquires (and session replays) of one fork at once
-
 
 def _pool_of(handle: SandboxHandle):
     if not isinstance(handle, SandboxHandle):
@@ -44,8 +41,7 @@ def snapshot(handle: SandboxHandle, name: Optional[str] = None) -> str:
     """Capture ``handle``'s files as a snapshot of its pool; the image reference that
     starts sandboxes from it (``SandboxSpec(image=...)``, ``acquire(...)``). ``name``:
     1 to 63 letters, digits, '.', '_' or '-' (default: a new one)."""
-    info = ray.get(_pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, name))
-    return info["image"]
+    return ray.get(_snapshot_ref(handle, name, for_fork=False))["image"]
 
 
 def snapshots(pool: str = "default") -> List[dict]:
@@ -82,10 +78,10 @@ def _check_count(n) -> None:
         raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
 
 
-def _snapshot_for_fork(handle: SandboxHandle, keep_snapshot: bool):
-    """The pool's ``snapshot`` call of a fork (an ObjectRef)."""
-    return _pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, None,
-                                            not keep_snapshot)
+def _snapshot_ref(handle: SandboxHandle, name: Optional[str], for_fork: bool):
+    """The pool's ``snapshot`` call for the holder of ``handle`` (an ObjectRef)."""
+    return _pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, name,
+                                            for_fork)
 
 
 def _fork_spec(info: dict) -> SandboxSpec:
@@ -98,31 +94,16 @@ def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
     """``n`` new leased sandboxes that start from ``handle``'s files, in the working
     directory and with the exported variables of its default session; each is
     released like any other. All or none: when one cannot be acquired within
-    ``timeout``, those acquired are released and the error is raised."""
-    _check_count(n)
-    state = _session_state(handle.run(SESSION_STATE))
-    spec = _fork_spec(ray.get(_snapshot_for_fork(handle, keep_snapshot)))
-    forks: List[SandboxHandle] = []
-    with ThreadPoolExecutor(min(n, FORK_THREADS)) as pool:
-        futures = [pool.submit(acquire, spec, handle.pool, timeout) for _ in range(n)]
-        errors = []
-        for future in futures:
-            try:
-                forks.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - raised below, after the cleanup
-                errors.append(exc)
-        if not errors and state:
-            replays = [pool.submit(_replay, sb, state) for sb in forks]
-            for future in replays:
-                try:
-                    future.result()
-                except Exception as exc:  # noqa: BLE001
-                    errors.append(exc)
-    if errors:
-        for sb in forks:
-            release(sb)
-        raise errors[0]
-    return forks
+    ``timeout``, those acquired are released and the error is raised. (``fork_async``
+    on an event loop of this call's own: on a thread of its own where this thread
+    already runs one, a notebook's say.)"""
+    work = fork_async(handle, n, timeout, keep_snapshot)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, work).result()
 
 
 async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
@@ -130,7 +111,7 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
     """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
     _check_count(n)
     state = _session_state(await handle.run_async(SESSION_STATE))
-    spec = _fork_spec(await _snapshot_for_fork(handle, keep_snapshot))
+    spec = _fork_spec(await _snapshot_ref(handle, None, for_fork=not keep_snapshot))
     got = await asyncio.gather(*(acquire_async(spec, handle.pool, timeout) for _ in range(n)),
                                return_exceptions=True)
     forks = [sb for sb in got if isinstance(sb, SandboxHandle)]
@@ -138,7 +119,7 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
     if not errors and state:
         done = await asyncio.gather(*(sb.run_async(state) for sb in forks),
                                     return_exceptions=True)
-        errors = [_replay_error(sb, r) for sb, r in zip(forks, done) if _replay_error(sb, r)]
+        errors = [e for e in (_replay_error(sb, r) for sb, r in zip(forks, done)) if e]
     if errors:
         await asyncio.gather(*(release_async(sb) for sb in forks))
         raise errors[0]
@@ -167,12 +148,6 @@ def _replay_error(sb: SandboxHandle, result) -> Optional[BaseException]:
         return RuntimeError("fork %s: its session did not take its parent's working "
                             "directory and variables: %s" % (sb.sandbox, result.stderr[-500:]))
     return None
-
-
-def _replay(sb: SandboxHandle, state: str) -> None:
-    error = _replay_error(sb, sb.run(state))
-    if error is not None:
-        raise error
 
 
 def pause(handle: SandboxHandle) -> None:

@@ -11,6 +11,7 @@ idleness, but its TTL still runs; whatever ends the lease thaws the sandbox firs
 (the provider's reset and delete do).
 """
 
+import asyncio
 import collections
 import logging
 import uuid
@@ -116,7 +117,6 @@ class SnapshotOps:
         self.fork_snapshots.discard(image)
         info = next((i for i in self.snapshots.values() if i.image == image), None)
         if info is not None:
-            import asyncio
             asyncio.get_running_loop().create_task(self._drop_snapshot(info))
 
     async def _drop_snapshot(self, info: SnapshotInfo) -> None:

@@ -217,44 +217,46 @@ class NodeAgentProvider(Provider):
         """Every node's sandboxes; a node whose agent cannot answer (its engine is
         down) is left out with a warning rather than hiding all the others."""
         found: List[SandboxInfo] = []
-        for node_id in await self.alive_nodes():
-            agent = self.existing_agent(node_id)
-            if agent is None:
-                continue
-            try:
-                infos = await agent.list.remote(labels)
-            except ray.exceptions.RayActorError:
-                self._agents.pop(node_id, None)
-                continue
-            except ProviderError as exc:
-                logger.warning("pool %s: cannot list node %s: %s", self.pool, node_id,
-                               unwrapped(exc))
-                continue
+        async for node_id, infos in self._from_each_agent("list", labels):
             for info in infos:
                 self._where[info.sandbox_id] = node_id
             found.extend(infos)
         return found
 
+    async def _from_each_agent(self, method: str, *args):
+        """(node id, answer) of ``method`` from the agent of each alive node that has
+        one; an agent that is gone is forgotten, one that cannot answer (its engine is
+        down) is left out with a warning rather than hiding all the others."""
+        for node_id in await self.alive_nodes():
+            agent = self.existing_agent(node_id)
+            if agent is None:
+                continue
+            try:
+                answer = await getattr(agent, method).remote(*args)
+            except ray.exceptions.RayActorError:
+                self._agents.pop(node_id, None)
+                continue
+            except ProviderError as exc:
+                logger.warning("pool %s: %s: node %s did not answer: %s", self.pool, method,
+                               node_id, unwrapped(exc))
+                continue
+            yield node_id, answer
+
     async def reset(self, sandbox_id: str) -> SandboxInfo:
-        node = self._where.get(sandbox_id)
-        if node is None:
-            node = (await self.endpoint(sandbox_id)).node_id
-        try:
-            return await self.agent(node).reset.options(
-                name="sandman:reset:%s" % sandbox_id).remote(sandbox_id)
-        except ray.exceptions.RayActorError as exc:
-            raise self._agent_gone(node, exc) from exc
-        except ProviderError as exc:
-            raise unwrapped(exc) from None
+        return await self._on_agent(await self._node_of(sandbox_id), "reset", sandbox_id,
+                                    task="sandman:reset:%s" % sandbox_id)
 
     # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
     async def _node_of(self, sandbox_id: str) -> str:
         node = self._where.get(sandbox_id)
         return node if node is not None else (await self.endpoint(sandbox_id)).node_id
 
-    async def _on_agent(self, node: str, method: str, *args):
+    async def _on_agent(self, node: str, method: str, *args, task: Optional[str] = None):
+        """``method`` of the agent on ``node`` (started if needed; ``task``: the call's
+        name on the Ray dashboard), its errors said as the provider's."""
+        call = getattr(self.agent(node), method)
         try:
-            return await getattr(self.agent(node), method).remote(*args)
+            return await (call.options(name=task) if task else call).remote(*args)
         except ray.exceptions.RayActorError as exc:
             raise self._agent_gone(node, exc) from exc
         except ProviderError as exc:
@@ -268,15 +270,7 @@ class NodeAgentProvider(Provider):
 
     async def snapshots(self) -> List[SnapshotInfo]:
         found: List[SnapshotInfo] = []
-        for node_id in await self.alive_nodes():
-            agent = self.existing_agent(node_id)
-            if agent is None:
-                continue
-            try:
-                infos = await agent.snapshots.remote()
-            except ray.exceptions.RayActorError:
-                self._agents.pop(node_id, None)
-                continue
+        async for node_id, infos in self._from_each_agent("snapshots"):
             for info in infos:
                 self._snapshot_nodes[info.image] = node_id
             found.extend(infos)
@@ -319,12 +313,7 @@ class NodeAgentProvider(Provider):
             return placed or await self._pick_node()
         if placed is None or placed == holder or not self.carries_snapshots:
             return holder
-        try:
-            await self.agent(placed).fetch_snapshot.remote(image, self.agent(holder))
-        except ray.exceptions.RayActorError as exc:
-            raise self._agent_gone(placed, exc) from exc
-        except ProviderError as exc:
-            raise unwrapped(exc) from None
+        await self._on_agent(placed, "fetch_snapshot", image, self.agent(holder))
         return placed
 
     async def pause(self, sandbox_id: str) -> None:

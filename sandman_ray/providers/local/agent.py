@@ -268,7 +268,7 @@ class NodeAgent:
             raise fatal(str(exc)) from None
         if unsupported_why(sandbox) is not None:
             raise not_supported(sandbox)
-        if sandbox.cgroups is None or sandbox.cgroups._freezer() is None:
+        if sandbox.cgroups is None or not sandbox.cgroups.can_freeze:
             raise NotSupported("snapshot of sandbox %s needs a freezer cgroup to copy its "
                                "files at one moment, which this host does not give it"
                                % sandbox_id)
@@ -335,10 +335,10 @@ class NodeAgent:
         await self.fetching.run(name, lambda: self._fetch(name, source))
 
     async def _fetch(self, name: str, source) -> None:
-        import json
+        from sandman_ray.providers.local.snapshots import archive_meta
         loop = asyncio.get_running_loop()
         data = await source.export_snapshot.remote(name)
-        meta = json.loads(_member(data, "meta.json"))
+        meta = archive_meta(data)
         if str(meta.get("base", "")).startswith("snapshot:"):
             await self.fetch_snapshot(meta["base"], source)
         await loop.run_in_executor(None, self.snapshot_store.import_tar, name, data)
@@ -359,7 +359,7 @@ class NodeAgent:
     async def pause(self, sandbox_id: str) -> None:
         """Freeze every process of the sandbox (the cgroup freezer): no CPU, memory kept."""
         sandbox = self._sandbox(sandbox_id, "pause")
-        if sandbox.cgroups is None or sandbox.cgroups._freezer() is None:
+        if sandbox.cgroups is None or not sandbox.cgroups.can_freeze:
             raise NotSupported("pause of sandbox %s needs a freezer cgroup, which this "
                                "agent has not (an agent that is not root, or a host "
                                "without the freezer)" % sandbox_id)
@@ -398,13 +398,6 @@ class NodeAgent:
         if self.ranges is not None:
             self.ranges.close()
         return len(ids)
-
-
-def _member(tar_bytes: bytes, name: str) -> bytes:
-    import io
-    import tarfile
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r") as tar:
-        return tar.extractfile(name).read()
 
 
 def agent_group(pool: str, node_id: str, incarnation: str) -> str:

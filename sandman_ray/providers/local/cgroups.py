@@ -123,6 +123,10 @@ class Cgroups:
                 return path
         return None
 
+    @property
+    def can_freeze(self) -> bool:
+        return self._freezer() is not None
+
     def freeze(self, timeout_s: float = 10.0) -> None:
         """Stop every process of the sandbox where it is (its memory stays); returns once
         the kernel says all are frozen. OSError where the host has no freezer."""

@@ -386,6 +386,18 @@ def _xattrs(path) -> list:
         return []
 
 
+def archive_meta(data: bytes) -> dict:
+    """The meta of a snapshot that ``export`` made: its first member, read without
+    scanning the rest of the archive."""
+    import io
+    import tarfile
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        first = tar.next()
+        if first is None or first.name != "meta.json":
+            raise fatal("a snapshot archive must begin with its meta.json")
+        return json.loads(tar.extractfile(first).read())
+
+
 def _below(top: Path) -> List[Path]:
     """Every path below ``top``, parents first, without following links."""
     found = []

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # one stamp per extra: make demo installs what the example needs, make test also
-# RLlib and a CPU build of torch
+# RLlib, a CPU build of torch and the agent frameworks of sandman_ray.integrations
 STAMP = $(VENV)/.installed-$(1)
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
@@ -41,7 +41,7 @@ $(BUILTIN): | system-packages $(call STAMP,examples)
 demo: system-packages $(call STAMP,examples) $(BUILTIN)
 	$(BIN)/python examples/rl_rollout/train.py
 
-test: system-packages $(call STAMP,test) $(BUILTIN)
+test: system-packages $(call STAMP,test) $(call STAMP,integrations) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # the fault suite (bench/chaos.py), every scenario once, as a test

@@ -283,7 +283,84 @@ def test_tool_files_setup_timeouts_and_bad_calls(pool):
 
 
 def test_tool_schema_is_what_verl_reads():
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema
     tool = SandboxTool({})
     schema = tool.get_openai_tool_schema()
-    assert tool.name == "shell" == schema["function"]["name"]
-    assert schema["function"]["parameters"]["required"] == ["command"]
+    assert isinstance(tool, BaseTool) and isinstance(schema, OpenAIFunctionToolSchema)
+    assert tool.name == "shell" == schema.function.name
+    assert schema.function.parameters.required == ["command"]
+
+
+CALC_BUG = "def add(a, b):\n    return a - b\n"
+CALC_TEST = ("import unittest\nfrom calc import add\n\n"
+             "class T(unittest.TestCase):\n    def test_add(self):\n"
+             "        self.assertEqual(add(2, 3), 5)\n\nunittest.main()\n")
+
+
+def test_verl_loads_the_tool_from_its_yaml_and_its_agent_loop_drives_it(cluster, tmp_path):
+    """verl's own loader builds the tool from a tool config YAML, and verl's
+    ``ToolAgentLoop._call_tool`` (create, execute, release per call, as its agent loop
+    does) drives it; the loop object carries only what ``_call_tool`` reads, since its
+    constructor needs a tokenizer and an inference server."""
+    import json
+    from verl.experimental.agent_loop.tool_agent_loop import AgentData, ToolAgentLoop
+    from verl.experimental.agent_loop.tool_parser import FunctionCall
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.tool_registry import initialize_tools_from_config
+    from sandman_ray.spec import DEFAULT_IMAGE
+
+    pool = new_pool(warm={DEFAULT_IMAGE: 1})
+    config = tmp_path / "tool_config.yaml"
+    config.write_text("tools:\n"
+                      "  - class_name: sandman_ray.integrations.verl.SandboxTool\n"
+                      "    config:\n"
+                      "      type: native\n"
+                      "      pool: %s\n"
+                      "      linger_s: 30\n"
+                      "      reward_command: python3 test_calc.py\n" % pool)
+    [tool] = initialize_tools_from_config(str(config))
+    assert isinstance(tool, BaseTool) and tool.name == "shell"
+    loop = ToolAgentLoop.__new__(ToolAgentLoop)
+    loop.tools = {tool.name: tool}
+    loop.max_tool_response_length = 4000
+    loop.tool_response_truncate_side = "middle"
+    create_kwargs = {"trajectory_id": "prompt-7-sample-0",
+                     "files": {"calc.py": CALC_BUG, "test_calc.py": CALC_TEST}}
+    tools_kwargs = {"shell": {"create_kwargs": create_kwargs}}
+    agent_data = AgentData(messages=[], image_data=[], video_data=[], audio_data=None,
+                           mm_processor_kwargs=None, metrics={}, request_id="prompt-7",
+                           tools_kwargs=tools_kwargs)
+
+    async def call(arguments: str):
+        response, reward, metrics = await loop._call_tool(
+            FunctionCall(name="shell", arguments=arguments), tools_kwargs, agent_data)
+        return response.text, metrics
+
+    async def reward():
+        instance, _ = await tool.create(create_kwargs=create_kwargs)
+        try:
+            return await tool.calc_reward(instance)
+        finally:
+            await tool.release(instance)
+
+    async def main():
+        seen = await call(json.dumps({"command": "cat calc.py; export FIXED=no"}))
+        before = await reward()
+        await call(json.dumps({"command": "sed -i 's/a - b/a + b/' calc.py && FIXED=yes"}))
+        tests = await call(json.dumps({"command": "python3 test_calc.py 2>&1; echo $FIXED"}))
+        bad = await call("{not json")
+        after = await reward()
+        during = await leases(pool)
+        await tool.close()
+        return seen, before, tests, bad, after, during, await leases(pool)
+
+    try:
+        seen, before, tests, bad, after, during, left = asyncio.run(main())
+    finally:
+        sandman.shutdown_pool(pool)
+    assert "return a - b" in seen[0] and seen[1]["exit_code"] == 0
+    assert "OK" in tests[0] and "yes" in tests[0].split()  # one shell across the calls
+    assert "Invalid JSON" in bad[0]
+    assert (before, after) == (0.0, 1.0)
+    assert during == 1 and left == 0  # one sandbox for the trajectory, given back at close

@@ -10,10 +10,13 @@ the sandbox goes back to the pool ``linger_s`` after the trajectory's last insta
 released, or at once on ``release_trajectory``. The trajectory id must name one rollout
 (see ``create``).
 
-verl is not imported: the class has the methods and the ``(config, tool_schema)``
-constructor verl's tool config instantiates (``class_name:
-sandman_ray.integrations.verl.SandboxTool``). When verl is installed, responses are its
-``ToolResponse``; otherwise a small stand-in with the same ``text`` field.
+When verl is installed (``pip install 'sandman-ray[integrations]'`` pins the tested
+version), ``SandboxTool`` is a subclass of verl's ``BaseTool``: a tool config names it
+(``class_name: sandman_ray.integrations.verl.SandboxTool``, ``config: {type: native,
+...}``), verl's loader builds it, its schema is verl's ``OpenAIFunctionToolSchema`` and its
+responses verl's ``ToolResponse``. Without verl the module still imports: the class
+keeps the same constructor and methods, with the schema as a dict and a small stand-in
+for ``ToolResponse`` (the same ``text`` field).
 
 config (all optional):
     pool: the sandman pool to lease from (``default``).
@@ -37,9 +40,13 @@ from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
 from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
 
-try:  # verl's own response type when verl is installed
-    from verl.tools.schemas import ToolResponse
+try:  # verl's own base class and types when verl is installed
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 except ImportError:  # pragma: no cover - depends on the environment
+    BaseTool = object  # type: ignore[misc,assignment]
+    OpenAIFunctionToolSchema = None  # type: ignore[misc,assignment]
+
     @dataclass
     class ToolResponse:  # type: ignore[no-redef]
         """What the model sees of a tool call (verl's ToolResponse has the same field)."""
@@ -78,8 +85,8 @@ class _Trajectory:
     linger: Optional[asyncio.TimerHandle] = None
 
 
-class SandboxTool:
-    """A verl-style tool whose instances share a sandbox per trajectory (see module)."""
+class SandboxTool(BaseTool):
+    """A verl tool whose instances share a sandbox per trajectory (see module)."""
 
     def __init__(self, config: Optional[Dict[str, Any]] = None, tool_schema: Any = None):
         config = dict(config or {})
@@ -101,8 +108,13 @@ class SandboxTool:
         if self.linger_s < 0 or self.exec_timeout_s <= 0 or self.max_output_chars < 1:
             raise ValueError("SandboxTool: linger_s must be >= 0, exec_timeout_s > 0 and "
                              "max_output_chars >= 1")
-        self.tool_schema = tool_schema if tool_schema is not None else DEFAULT_SCHEMA
-        self.name = _schema_name(self.tool_schema)
+        schema = tool_schema if tool_schema is not None else DEFAULT_SCHEMA
+        if OpenAIFunctionToolSchema is not None and isinstance(schema, dict):
+            schema = OpenAIFunctionToolSchema.model_validate(schema)
+        if BaseTool is not object:
+            super().__init__(config, schema)  # verl's: config, tool_schema and name
+        self.tool_schema = schema
+        self.name = _schema_name(schema)
         self._trajectories: Dict[str, _Trajectory] = {}  # open trajectories by id
         self._instances: Dict[str, _Trajectory] = {}     # instance id -> its trajectory
         self._giving_back: set = set()                   # release tasks in flight

@@ -1,6 +1,7 @@
 """``sandman``: look at and operate the pools of a running Ray cluster.
 
     sandman status [POOL] [--json]     states, rates, oldest lease, leases per client
+    sandman status [POOL] --watch      a live table, refreshed every --interval s
     sandman list [POOL] [--json]       sandboxes: state, image, node, age, lease holder
     sandman events [POOL] [--limit N]  the last state transitions with their reasons
     sandman gc POOL [--dry-run]        delete sandboxes that no live handle holds
@@ -93,6 +94,8 @@ def _age(seconds: float) -> str:
 
 # ---------------------------------------------------------------------- commands
 def cmd_status(args) -> int:
+    if args.watch:
+        return _watch(args)
     statuses = [_call(p, "status") for p in _pools(args.pool)]
     if args.json:
         for s in statuses:
@@ -114,6 +117,83 @@ def cmd_status(args) -> int:
             print(_table([[c, str(n)] for c, n in clients], ["client", "leases"]))
         print()
     return 0
+
+
+# the states of a sandbox in a watched row; "returning" is releasing, resetting or deleting
+WATCH_STATES = ("requested", "creating", "ready", "leased", "returning", "failed")
+WATCH_HEADER = ["pool"] + list(WATCH_STATES) + [
+    "waiters", "creates/s", "leases/s", "pace/s", "throttled", "oldest lease"]
+
+
+def _watch(args) -> int:
+    """Refresh a row per pool every ``--interval`` s until Ctrl-C (or ``--count``
+    frames). Rates are the change of the pool's counters since the last frame; pace/s
+    is the create rate the pool allows itself now (it drops while the provider
+    throttles). With ``--json``, a line of the pools' statuses per frame."""
+    if args.interval <= 0 or args.count < 0:
+        raise CliError("--interval must be above 0 and --count at least 0")
+    before: Dict[str, Dict] = {}
+    last = 0.0
+    frames = 0
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            try:
+                names = _pools(args.pool)
+            except CliError:
+                if not frames:
+                    raise
+                print("pool %s is gone" % args.pool)
+                return 0
+            statuses = [s for s in (_status_or_none(name) for name in names) if s]
+            now = time.monotonic()
+            if args.json:
+                for s in statuses:
+                    s.pop("create_starts", None)
+                print(json.dumps({"time": time.time(), "pools": statuses}, sort_keys=True))
+            else:
+                rows = [_watch_row(s, before.get(s["pool"]), now - last) for s in statuses]
+                if clear:
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print("sandman status --watch   %s   every %g s, Ctrl-C to stop"
+                      % (time.strftime("%H:%M:%S"), args.interval))
+                print(_table(rows, WATCH_HEADER) if rows else "no pools on this cluster")
+                print()
+            sys.stdout.flush()
+            before, last = {s["pool"]: s for s in statuses}, now
+            frames += 1
+            if frames == args.count:
+                return 0
+            time.sleep(args.interval)  # the refresh period, not a wait for anything
+    except KeyboardInterrupt:
+        return 0
+
+
+def _status_or_none(pool: str) -> Optional[Dict]:
+    """A pool's status, or None when it stopped between the listing and the call."""
+    import ray
+    from sandman_ray.errors import SandmanError
+    try:
+        return _call(pool, "status")
+    except (ray.exceptions.RayActorError, SandmanError):
+        return None
+
+
+def _watch_row(status: Dict, before: Optional[Dict], elapsed: float) -> List[str]:
+    states = dict(status["states"])
+    states["returning"] = sum(states.get(k, 0) for k in ("releasing", "resetting", "deleting"))
+    stats, old = status["stats"], (before or {}).get("stats")
+
+    def per_s(key: str) -> str:
+        if old is None or elapsed <= 0:
+            return "-"
+        return "%.1f" % ((stats.get(key, 0) - old.get(key, 0)) / elapsed)
+    throttled = "%d" % stats.get("throttled", 0)
+    if old is not None:
+        throttled += " (+%d)" % (stats.get("throttled", 0) - old.get("throttled", 0))
+    return ([status["pool"]] + [str(states.get(k, 0)) for k in WATCH_STATES] +
+            [str(status["waiters"]), per_s("creates"), per_s("leases"),
+             "%.1f" % status["create_rate_per_s"], throttled, _age(status["oldest_lease_s"])])
 
 
 def _rows(pool: Optional[str], method: str) -> List[Dict]:
@@ -228,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="a table per pool")
     p.add_argument("pool", nargs="?")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true",
+                   help="a live table of every pool (or POOL), refreshed until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     p = sub.add_parser("list", help="the sandboxes of every pool (or POOL)")
     p.add_argument("pool", nargs="?")
     p.add_argument("--json", action="store_true")

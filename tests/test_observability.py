@@ -205,6 +205,49 @@ def test_status_list_events_and_gc_against_a_live_pool(cluster):
     assert pool not in sandman_cmd(cluster, "status").stdout
 
 
+def test_status_watch_follows_a_burst_and_ends_with_its_pool(cluster):
+    """A person watching a paced burst sees it queue, get created and leased, live;
+    the watch ends by itself when the pool is shut down."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    pool = new_pool(create_rate_per_s=4.0, create_burst=1)
+    exe = Path(sys.executable).with_name("sandman")
+    watch = subprocess.Popen([str(exe), "--address", cluster["gcs"], "status", pool,
+                              "--watch", "--interval", "0.2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+    reader.start()
+    try:
+        def rows():
+            """Each frame's row of the pool: {column: value} by the header's order."""
+            names = ["pool", "requested", "creating", "ready", "leased", "returning",
+                     "failed", "waiters", "creates/s", "leases/s", "pace/s"]
+            return [dict(zip(names, line.split())) for line in list(lines)
+                    if line.startswith(pool + " ")]
+
+        wait_until(lambda: rows(), timeout=60, what="the watch's first frame")
+        with ThreadPoolExecutor(4) as threads:
+            handles = list(threads.map(
+                lambda _: sandman.acquire("host", pool=pool, timeout=120), range(4)))
+        wait_until(lambda: any(r["leased"] == "4" for r in rows()), timeout=30,
+                   what="a frame with the burst's 4 leases")
+        seen = rows()
+        assert any(int(r["waiters"]) > 0 or int(r["requested"]) + int(r["creating"]) > 0
+                   for r in seen), seen  # the burst queued for the pacer, visibly
+        assert any(r["creates/s"] not in ("-", "0.0") for r in seen), seen
+        assert all(float(r["pace/s"]) <= 4.0 for r in seen)
+        for handle in handles:
+            sandman.release(handle)
+        assert any(line.split()[:3] == ["pool", "requested", "creating"] for line in lines)
+    finally:
+        sandman.shutdown_pool(pool)
+    assert watch.wait(timeout=60) == 0, watch.stderr.read()
+    reader.join(timeout=10)
+    assert lines[-1].strip() == "pool %s is gone" % pool
+
+
 def test_sandman_refuses_clearly_and_starts_no_cluster(cluster):
     raylets = len(processes_matching("raylet"))
     proc = subprocess.run([str(Path(sys.executable).with_name("sandman")), "--address",

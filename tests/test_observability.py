@@ -85,6 +85,16 @@ def test_metrics_endpoint_shows_the_pool_during_a_burst(cluster):
         wait_until(exported, timeout=60, what="the pool's series exported")
         assert found["creates"] >= 6 and found["ready"] == found["creates"]
         assert 0 < found["rate"] <= 50.0  # the bucket's rate, never above the pool's
+        # what dashboards/sandman_pools.json asks for is exported under those names,
+        # with the SessionName label its variable filters by
+        import test_dashboard
+        mine = {n: dict(l) for (n, l), _ in scrape(cluster["metrics"]).items()
+                if ("pool", pool) in l}
+        asked = {m for expr in test_dashboard.queries(json.loads(
+            test_dashboard.DASHBOARD.read_text())) for m in re.findall(r"ray_sandman_\w+", expr)}
+        always = {m for m in asked if not re.search(r"failures|throttle|deletes|resets", m)}
+        assert always <= set(mine), always - set(mine)  # the rest need a failure or reset
+        assert all(labels.get("SessionName") for labels in mine.values())
     finally:
         for h in handles:
             sandman.release(h)

@@ -35,6 +35,8 @@ from sandman_ray.providers.faults import FaultyProvider
 from sandman_ray.providers.local import LocalProvider, leftovers
 from sandman_ray.providers.nodes import agent_name
 
+import progress  # bench/progress.py
+
 ROOT = Path(__file__).resolve().parent.parent
 STATE = "/tmp/sandman-ray-chaos/state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -440,20 +442,25 @@ def main(argv=None) -> int:
     ray.init(address=CLUSTER.address, log_to_driver=False, namespace="sandman-chaos")
     trials: List[Trial] = []
     try:
-        for name in names:
-            for index in range(args.trials):
-                trial = Trial(name)
-                try:
-                    SCENARIOS[name](trial)
-                except Exception as exc:  # a scenario that breaks is a failed trial
-                    trial.ok = False
-                    trial.detail = "%s: %s" % (type(exc).__name__, exc)
-                trials.append(trial)
-                print("%-20s #%-3d %-4s reclaim %-7s leaked %d  %s%s" % (
-                    name, index + 1, "ok" if trial.ok else "FAIL",
-                    "-" if trial.reclaim_s is None else "%.2fs" % trial.reclaim_s,
-                    trial.leaked, trial.detail,
-                    "  (" + "; ".join(trial.notes) + ")" if trial.notes else ""), flush=True)
+        with progress.bar(len(names) * args.trials, "chaos", unit="trial") as shown:
+            for name in names:
+                shown.set_description("chaos: " + name)
+                for index in range(args.trials):
+                    trial = Trial(name)
+                    try:
+                        SCENARIOS[name](trial)
+                    except Exception as exc:  # a scenario that breaks is a failed trial
+                        trial.ok = False
+                        trial.detail = "%s: %s" % (type(exc).__name__, exc)
+                    trials.append(trial)
+                    shown.write("%-20s #%-3d %-4s reclaim %-7s leaked %d  %s%s" % (
+                        name, index + 1, "ok" if trial.ok else "FAIL",
+                        "-" if trial.reclaim_s is None else "%.2fs" % trial.reclaim_s,
+                        trial.leaked, trial.detail,
+                        "  (" + "; ".join(trial.notes) + ")" if trial.notes else ""),
+                        file=sys.stdout)
+                    sys.stdout.flush()
+                    shown.update()
     finally:
         ray.shutdown()
         CLUSTER.shutdown()

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import progress  # bench/progress.py
 from noop import percentile  # bench/noop.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +126,7 @@ def main() -> None:
         rows = prepare(work, args.old_rev)
         samples = {(row, side): [] for row in rows for side in ("old", "new")}
         modules = {}
-        for rep in range(args.reps + 3):  # the first three warm the caches, not counted
+        for rep in progress.steps(range(args.reps + 3), "daemon start"):  # 3 warm-ups
             for row, argvs in rows.items():
                 order = (0, 1) if rep % 2 else (1, 0)
                 for index in order:

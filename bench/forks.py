@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sandman_ray as sandman  # noqa: E402
 from sandman_ray.providers.local import LocalProvider  # noqa: E402
 
+import progress  # noqa: E402  (bench/progress.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 FILES, FILE_BYTES = 200, 250_000  # 50 MB
 WORK = "/work/data"
@@ -58,7 +60,7 @@ def fork_vs_fresh(copies: int = 8, rounds: int = 3, state_root: str = "/tmp/sand
             # fresh sandboxes ask for what the warm one is not: created for the measure
             fresh_spec = sandman.SandboxSpec(labels={"bench": "fresh"})
             with ThreadPoolExecutor(copies) as threads:
-                for _ in range(rounds):
+                for _ in progress.steps(range(rounds), "fork rounds"):
                     _timed(threads, lambda: sandman.fork(parent, copies), times, "fork",
                            lambda: sizes.extend(s["size_bytes"] for s in sandman.snapshots(pool)))
                     _timed(threads, lambda: _fresh(threads, fresh_spec, pool, copies, tar,

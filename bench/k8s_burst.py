@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from k8s_sim import SimConfig, start_process  # noqa: E402
 
+import progress  # noqa: E402  (bench/progress.py)
+
 IMAGE = "docker.io/library/debian:12"
 
 PACED_CLIENT = textwrap.dedent("""
@@ -150,7 +152,7 @@ def run_clients(argvs, script):
         proc.stdin.write("%f\n" % start)
         proc.stdin.flush()
     usable, errors = [], []
-    for proc in procs:
+    for proc in progress.steps(procs, "burst clients done", unit="client"):
         result = None
         for line in proc.stdout:
             if line.startswith("{"):

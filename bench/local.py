@@ -32,6 +32,8 @@ from sandman_ray.image_builders import build_busybox_rootfs
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
 
+import progress  # bench/progress.py
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -78,7 +80,7 @@ async def measure(provider, spec, args, pid_of):
     for sid in [i.sandbox_id for i in await provider.list({"bench": "local"})]:
         await provider.delete(sid)
     single = []
-    for _ in range(args.creates):
+    for _ in progress.steps(range(args.creates), "creates one at a time", unit="create"):
         sandbox_id, _, elapsed = await create_and_exec(provider, spec)
         single.append(elapsed)
         await provider.delete(sandbox_id)

@@ -35,6 +35,7 @@ from sandman_ray.bundle import ensure_bundle
 from sandman_ray.providers.local.bwrap import BwrapSandbox
 
 import minimal_daemon  # bench/minimal_daemon.py
+import progress  # bench/progress.py
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMON = ROOT / "daemon" / "sandmand"  # the package, run as a directory
@@ -133,7 +134,7 @@ def main() -> None:
         for fn in rows.values():  # warm up
             for _ in range(50):
                 fn()
-        for _ in range(args.rounds):
+        for _ in progress.steps(range(args.rounds), "noop rounds"):
             for key, fn in rows.items():
                 bucket = samples[key]
                 for _ in range(per_round):

@@ -29,6 +29,8 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sandman_ray.results import ExecResult  # noqa: E402
 
+import progress  # noqa: E402  (bench/progress.py)
+
 RESULT = ExecResult(0, b"", b"", 0.0009, False, None, False, True, False)
 
 
@@ -53,7 +55,7 @@ def measure(rounds: int = 40, calls: int = 50) -> dict:
     times = {form: [] for form in forms}
     for form in forms:
         ray.get(getattr(actor, form).remote())
-    for _ in range(rounds):
+    for _ in progress.steps(range(rounds), "result forms"):
         random.shuffle(forms)
         for form in forms:
             method = getattr(actor, form)

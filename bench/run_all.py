@@ -85,6 +85,7 @@ from sandman_ray.spec import SandboxSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import forks  # noqa: E402  (bench/forks.py)
+import progress  # noqa: E402  (bench/progress.py)
 import minimal_daemon  # noqa: E402
 import local  # noqa: E402  (bench/local.py)
 from local import create_and_exec, pss_kb  # noqa: E402
@@ -961,23 +962,24 @@ def main(argv=None) -> int:
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
     results: Dict[str, dict] = {}
+    runs = {"noop": lambda: noop(args.samples),
+            "burst": lambda: burst(args.n, args.clients, image, args.rounds),
+            "cycle": lambda: cycle(args.cycles, image),
+            "reuse": lambda: reuse(args.episodes, args.k, image),
+            "fork": forks.fork_vs_fresh,
+            "cost": lambda: cost(image),
+            "isolation": lambda: isolation(args.creates),
+            # last: its 100 MB chunks stay in the host's heap
+            "stream": lambda: stream(image)}
+    unknown = sorted(set(sections) - set(runs))
+    if unknown:
+        parser.error("unknown sections %s (known: %s)" % (unknown, ", ".join(runs)))
     try:
-        if "noop" in sections:
-            results["noop"] = noop(args.samples)
-        if "burst" in sections:
-            results["burst"] = burst(args.n, args.clients, image, args.rounds)
-        if "cycle" in sections:
-            results["cycle"] = cycle(args.cycles, image)
-        if "reuse" in sections:
-            results["reuse"] = reuse(args.episodes, args.k, image)
-        if "fork" in sections:
-            results["fork"] = forks.fork_vs_fresh()
-        if "cost" in sections:
-            results["cost"] = cost(image)
-        if "isolation" in sections:
-            results["isolation"] = isolation(args.creates)
-        if "stream" in sections:  # last: its 100 MB chunks stay in the host's heap
-            results["stream"] = stream(image)
+        with progress.bar(len(sections), "make bench", unit="section") as shown:
+            for name in (n for n in runs if n in sections):
+                shown.set_description("make bench: " + name)
+                results[name] = runs[name]()
+                shown.update()
         description = machine()
     finally:
         ray.shutdown()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import sandman_ray as sandman  # noqa: E402
 from sandman_ray.spec import DEFAULT_IMAGE  # noqa: E402
@@ -83,26 +84,6 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return float(np.percentile(samples, q)) if len(samples) else float("nan")
 
 
-class ProgressBar:
-    """Episodes done in this iteration, redrawn in place on a terminal (silent in logs)."""
-
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.stream = total, stream
-        self.live = stream.isatty()
-
-    def draw(self, done: int, label: str) -> None:
-        if self.live:
-            filled = int(30 * done / self.total)
-            self.stream.write("\r%s [%s%s] %d/%d" % (label, "#" * filled, "." * (30 - filled),
-                                                      done, self.total))
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.live:
-            self.stream.write("\r" + " " * 70 + "\r")
-            self.stream.flush()
-
-
 def run_iteration(workers, weights, seeds: List[int], label: str,
                   group_size: int = 1) -> List[Dict]:
     """Split ``seeds`` over the workers, wait with a progress bar, return every record
@@ -111,12 +92,13 @@ def run_iteration(workers, weights, seeds: List[int], label: str,
     refs = [w.rollout_groups.remote(weights, share, group_size) if group_size > 1
             else w.rollout.remote(weights, share)
             for w, share in zip(workers, shares) if share]
-    bar = ProgressBar(len(seeds) * group_size)
     pending = refs
-    while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-        bar.draw(sum(ray.get([w.progress.remote() for w in workers])), label)
-    bar.clear()
+    # on a terminal only (disable=None), and gone once the iteration's row is printed
+    with tqdm(total=len(seeds) * group_size, desc=label, unit="episode", leave=False,
+              disable=None, dynamic_ncols=True) as bar:
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            bar.update(sum(ray.get([w.progress.remote() for w in workers])) - bar.n)
     return [record for batch in ray.get(refs) for record in batch]
 
 

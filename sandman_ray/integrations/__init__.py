@@ -1,3 +1,9 @@
-"""Integrations with trainers: ``gym`` (a gymnasium env, used by RLlib's EnvRunners) and
-``verl`` (a tool with verl's create/execute/calc_reward/release lifecycle). Each is
-imported on its own, so neither framework is needed for the other."""
+"""Integrations with the frameworks RL users already run, each imported on its own so
+that no framework is needed for another:
+
+- ``gym``: a gymnasium env, used by RLlib's EnvRunners;
+- ``verl``: a verl tool (a subclass of verl's ``BaseTool`` when verl is installed);
+- ``skyrl``: a SkyRL-gym ``BaseTextEnv``, registered as ``sandman-bash``;
+- ``minisweagent``: an environment class for mini-swe-agent.
+
+``pip install 'sandman-ray[integrations]'`` installs the framework versions tested."""

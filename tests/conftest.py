@@ -1,6 +1,7 @@
 """Shared fixtures: real daemons as subprocesses, the real bundle, real bwrap."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -97,6 +98,27 @@ def unique_pool(provider, prefix: str, **config) -> str:
     config.setdefault("lease_grace_s", 3.0)
     sandman.create_pool(name, provider=provider, **config)
     return name
+
+
+def leased(pool: str) -> int:
+    """How many sandboxes of ``pool`` are leased, by the pool's own status."""
+    import ray
+    import sandman_ray as sandman
+    return ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
+
+
+@contextlib.contextmanager
+def own_pool(state_root: str, prefix: str, **config):
+    """A LocalProvider pool of the test's own (so that its counts are the test's), shut
+    down at the end; ``config`` takes PoolConfig fields."""
+    import sandman_ray as sandman
+    name = unique_pool(sandman.LocalProvider(state_root=state_root,
+                                             cache_root=str(CACHE / "provider")),
+                       prefix, **config)
+    try:
+        yield name
+    finally:
+        sandman.shutdown_pool(name)
 
 
 def restart_keeps_specs(pool: str, spec) -> None:

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, require_bwrap, unique_pool, wait_until
+from conftest import ROOT, leased, require_bwrap, unique_pool, wait_until
 
 EXAMPLE = ROOT / "examples" / "rl_rollout"
 sys.path.insert(0, str(EXAMPLE))
@@ -51,10 +51,6 @@ def one_sandbox_pool(cluster):
     name = new_pool(warm={DEFAULT_IMAGE: 1}, max_sandboxes=1)
     yield name
     sandman.shutdown_pool(name)
-
-
-def leased(pool: str) -> int:
-    return ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
 
 
 class MarkerEnv(SandboxEnv):

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, require_bwrap, unique_pool
+from conftest import ROOT, leased, own_pool, require_bwrap
 from sandman_ray.spec import DEFAULT_IMAGE
 
 skyrl_gym = pytest.importorskip("skyrl_gym")
@@ -17,7 +17,6 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from sandman_ray.integrations.skyrl import ENV_ID, SandboxTextEnv, register_envs  # noqa: E402
 
 STATE = "/tmp/sandman-ray-test/skyrl-state"
-CACHE = str(ROOT / ".cache" / "provider")
 PROMPT = [{"role": "user", "content": "fix add() in calc.py"}]
 TASK = {
     "files": {"calc.py": "def add(a, b):\n    return a - b\n",
@@ -38,14 +37,8 @@ def cluster():
 
 @pytest.fixture
 def pool(cluster):
-    name = unique_pool(sandman.LocalProvider(state_root=STATE, cache_root=CACHE), "skyrl",
-                       warm={DEFAULT_IMAGE: 2})
-    yield name
-    sandman.shutdown_pool(name)
-
-
-def leased(pool: str) -> int:
-    return ray.get(sandman.get_pool(pool).status.remote())["states"]["leased"]
+    with own_pool(STATE, "skyrl", warm={DEFAULT_IMAGE: 2}) as name:
+        yield name
 
 
 def make(pool: str, config=None, **extras):

@@ -74,3 +74,26 @@ def test_the_janitor_loads_no_ray():
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_verl_tool_imports_and_works_without_verl():
+    """With verl not importable, SandboxTool is still there, with the same constructor,
+    a dict schema and the stand-in ToolResponse (a subprocess, so that this process's
+    verl stays loaded)."""
+    script = (
+        "import sys\n"
+        "class NoVerl:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'verl' or name.startswith('verl.'):\n"
+        "            raise ImportError('verl is not installed here')\n"
+        "sys.meta_path.insert(0, NoVerl())\n"
+        "from sandman_ray.integrations.verl import BaseTool, SandboxTool, ToolResponse\n"
+        "tool = SandboxTool({'pool': 'p', 'linger_s': 5})\n"
+        "assert BaseTool is object and type(tool).__mro__[1] is object\n"
+        "assert tool.name == 'shell' and tool.get_openai_tool_schema()['type'] == 'function'\n"
+        "assert ToolResponse(text='x').text == 'x'\n"
+        "assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules)\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

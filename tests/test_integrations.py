@@ -264,7 +264,11 @@ def test_tool_files_setup_timeouts_and_bad_calls(pool):
             finally:
                 await tool.release(other)
         with pytest.raises(sandman.SandmanError, match="setup command exited"):
-            await tool.create(create_kwargs={"setup": "exit 3"})
+            await tool.create(create_kwargs={"setup": "exit 3", "trajectory_id": "x"})
+        failing, _ = await tool.create(create_kwargs={"setup": "exit 3"})
+        with pytest.raises(sandman.SandmanError, match="setup command exited"):
+            await tool.execute(failing, {"command": "true"})  # bound at its first call
+        await tool.release(failing)
         return out, tool.open_trajectories()
 
     out, still_open = asyncio.run(main())
@@ -276,6 +280,47 @@ def test_tool_files_setup_timeouts_and_bad_calls(pool):
     assert still_open == 0 and leased(pool) == 0
     with pytest.raises(ValueError, match="unknown keys"):
         SandboxTool({"pool": pool, "imgae": "host"})
+
+
+def test_under_verl_the_samples_of_one_row_get_a_sandbox_each(pool):
+    """verl's agent loop creates an instance per tool call with the dataset row's
+    create_kwargs (the same for all n samples of a prompt, no trajectory id) and passes
+    its agent_data to execute: each sample's calls share one sandbox, and the samples
+    do not see each other's. A call with no rollout to go by is a sandbox alone, given
+    back at its release."""
+    from verl.experimental.agent_loop.tool_agent_loop import AgentData
+
+    row = {"files": {"calc.py": CALC_BUG}}
+
+    async def call(tool, agent_data, command):
+        instance, _ = await tool.create(create_kwargs=row)
+        try:
+            return (await tool.execute(instance, {"command": command},
+                                       agent_data=agent_data))[0].text
+        finally:
+            await tool.release(instance)
+
+    async def sample(tool, n):
+        data = AgentData(messages=[], image_data=[], video_data=[], audio_data=None,
+                         mm_processor_kwargs=None, metrics={}, request_id="req-%d" % n,
+                         tools_kwargs={"shell": {"create_kwargs": row}})
+        await call(tool, data, "echo sample%d >> calc.py && export MINE=%d" % (n, n))
+        return await call(tool, data, "tail -n +3 calc.py; echo mine=$MINE")
+
+    async def main():
+        tool = SandboxTool({"pool": pool, "linger_s": 30})
+        texts = await asyncio.gather(*(sample(tool, n) for n in range(3)))
+        during = await leases(pool)
+        alone = await call(tool, None, "cat calc.py")  # no agent_data: its own sandbox
+        after_alone = await leases(pool)
+        await tool.close()
+        return texts, during, alone, after_alone, await leases(pool)
+
+    texts, during, alone, after_alone, left = asyncio.run(main())
+    for n, text in enumerate(texts):
+        assert text.split()[:2] == ["sample%d" % n, "mine=%d" % n], text
+    assert during == 3 and "return a - b" in alone and "sample" not in alone
+    assert after_alone == 3 and left == 0  # the lone call's sandbox went back at release
 
 
 def test_tool_schema_is_what_verl_reads():

@@ -1,14 +1,24 @@
 """``SandboxTool``: a shell tool with verl's tool lifecycle, one sandbox per trajectory.
 
 verl calls a tool as ``create`` -> ``execute`` (once or many times) -> ``calc_reward``
--> ``release``, all ``async``; its agent loop may do that once per tool *call*. An
-agent's shell only makes sense if the calls of one trajectory share state, so this
-tool keys sandboxes by trajectory: every instance created with the same trajectory id
-(``trajectory_id=`` or ``create_kwargs={"trajectory_id": ...}``; without one, each
-instance is its own trajectory) uses the same sandbox and the same shell session, and
-the sandbox goes back to the pool ``linger_s`` after the trajectory's last instance is
-released, or at once on ``release_trajectory``. The trajectory id must name one rollout
-(see ``create``).
+-> ``release``, all ``async``; its agent loop (``ToolAgentLoop``, verl 0.9) does
+``create`` -> ``execute`` -> ``release`` once per tool *call*, and never calls
+``calc_reward``. An agent's shell only makes sense if the calls of one rollout share
+state, so this tool keys sandboxes by trajectory, and every instance of a trajectory
+uses the same sandbox and the same shell session:
+
+- an instance created with a trajectory id (``trajectory_id=`` or
+  ``create_kwargs={"trajectory_id": ...}``) belongs to that trajectory at once;
+- an instance created without one is bound at its first ``execute`` or
+  ``calc_reward``: to verl's rollout (the ``request_id`` of the ``agent_data`` that
+  verl's agent loop passes to ``execute``, one per sample), else to itself alone.
+
+A trajectory's sandbox goes back to the pool ``linger_s`` after its last instance is
+released (at once for an instance alone: nothing else can reach it), or at once on
+``release_trajectory`` and ``close``. Under verl's agent loop, the n samples of a prompt
+share their dataset row's ``create_kwargs`` (its ``files`` and ``setup``) and still get
+a sandbox each, through their request ids. Their reward comes from verl's reward
+function; ``calc_reward`` is for agent loops that call it.
 
 When verl is installed (``pip install 'sandman-ray[integrations]'`` pins the tested
 version), ``SandboxTool`` is a subclass of verl's ``BaseTool``: a tool config names it
@@ -83,6 +93,7 @@ class _Trajectory:
     opening: "asyncio.Task"
     instances: set = field(default_factory=set)
     linger: Optional[asyncio.TimerHandle] = None
+    alone: bool = False  # keyed by its one instance: no later call can join it
 
 
 class SandboxTool(BaseTool):
@@ -117,6 +128,8 @@ class SandboxTool(BaseTool):
         self.name = _schema_name(schema)
         self._trajectories: Dict[str, _Trajectory] = {}  # open trajectories by id
         self._instances: Dict[str, _Trajectory] = {}     # instance id -> its trajectory
+        self._unbound: Dict[str, Dict[str, Any]] = {}    # created without a trajectory id
+                                                          # and not called yet: create_kwargs
         self._giving_back: set = set()                   # release tasks in flight
 
     def get_openai_tool_schema(self):
@@ -126,22 +139,34 @@ class SandboxTool(BaseTool):
     async def create(self, instance_id: Optional[str] = None, trajectory_id: Optional[str] = None,
                      create_kwargs: Optional[Dict[str, Any]] = None,
                      **kwargs) -> Tuple[str, ToolResponse]:
-        """A tool instance on its trajectory's sandbox (leased on the trajectory's first
-        create). ``create_kwargs`` may carry ``trajectory_id``, ``files`` (``{relative
-        path: contents}`` put under ``workdir``) and ``setup`` (a command run once).
+        """A tool instance. ``create_kwargs`` may carry ``trajectory_id``, ``files``
+        (``{relative path: contents}`` put under ``workdir``) and ``setup`` (a command
+        run once, when the trajectory's sandbox is leased).
 
-        The trajectory id must name one rollout: the ``create_kwargs`` of a dataset row
-        are the same for all n samples of a prompt, so put a per-sample id there (or
-        pass ``trajectory_id=``), never the row's index alone."""
+        With a trajectory id, the instance joins that trajectory's sandbox now (leased
+        on the trajectory's first create). The id must name one rollout: the
+        ``create_kwargs`` of a dataset row are the same for all n samples of a prompt,
+        so never put the row's index alone there. Without one, the instance is bound at
+        its first call (see the module): a setup that fails then raises from that call."""
         create_kwargs = dict(create_kwargs or {})
         instance_id = instance_id or uuid.uuid4().hex
-        if instance_id in self._instances:
+        if instance_id in self._instances or instance_id in self._unbound:
             raise SandmanError("tool instance %s already exists" % instance_id)
-        key = str(trajectory_id or create_kwargs.get("trajectory_id") or instance_id)
+        key = trajectory_id or create_kwargs.get("trajectory_id")
+        if key is None:
+            self._unbound[instance_id] = create_kwargs
+            return instance_id, ToolResponse(text="shell tool instance %s" % instance_id)
+        await self._join(instance_id, str(key), create_kwargs)
+        return instance_id, ToolResponse(text="sandbox ready for trajectory %s" % key)
+
+    async def _join(self, instance_id: str, key: str, create_kwargs: Dict[str, Any],
+                    alone: bool = False) -> _Trajectory:
+        """Put ``instance_id`` on trajectory ``key`` (opened if it has no sandbox yet)
+        and wait for its sandbox."""
         traj = self._trajectories.get(key)
         if traj is None:
             opening = asyncio.get_running_loop().create_task(self._open(create_kwargs))
-            traj = self._trajectories[key] = _Trajectory(key, opening)
+            traj = self._trajectories[key] = _Trajectory(key, opening, alone=alone)
         elif traj.linger is not None:
             traj.linger.cancel()
             traj.linger = None
@@ -157,7 +182,7 @@ class SandboxTool(BaseTool):
             else:
                 self._idle(traj)  # this create was cancelled: the sandbox may be unused now
             raise
-        return instance_id, ToolResponse(text="sandbox ready for trajectory %s" % key)
+        return traj
 
     async def _open(self, create_kwargs: Dict[str, Any]):
         sandbox = await sandman.acquire_async(self.spec, pool=self.pool,
@@ -184,7 +209,7 @@ class SandboxTool(BaseTool):
         """Run ``parameters["command"]`` in the trajectory's shell session. A malformed
         call is answered with an error text for the model (it is the model's mistake),
         not raised."""
-        sandbox = await self._sandbox(instance_id)
+        sandbox = await self._sandbox(instance_id, kwargs.get("agent_data"))
         command = parameters.get("command") if isinstance(parameters, dict) else None
         if not isinstance(command, str) or not command.strip():
             return (ToolResponse(text="error: the shell tool needs a non-empty string "
@@ -210,7 +235,7 @@ class SandboxTool(BaseTool):
         if not command:
             raise SandmanError("SandboxTool.calc_reward needs a reward_command "
                                "(in the tool config or as an argument)")
-        sandbox = await self._sandbox(instance_id)
+        sandbox = await self._sandbox(instance_id, kwargs.get("agent_data"))
         result = await sandbox.exec.remote(command, cwd=self.workdir,
                                            timeout=self.exec_timeout_s)
         return 1.0 if result.ok else 0.0
@@ -218,10 +243,11 @@ class SandboxTool(BaseTool):
     async def release(self, instance_id: str, **kwargs) -> None:
         """End a tool instance; its trajectory's sandbox stays ``linger_s`` for the
         trajectory's next call, then goes back to the pool."""
+        self._unbound.pop(instance_id, None)  # never called: it holds nothing
         traj = self._forget(instance_id)
         if traj is not None:
             self._idle(traj)
-            if self.linger_s == 0:
+            if self.linger_s == 0 or traj.alone:
                 await self._wait_given_back()
 
     async def release_trajectory(self, trajectory_id: str) -> bool:
@@ -234,6 +260,7 @@ class SandboxTool(BaseTool):
 
     async def close(self) -> None:
         """Release every trajectory's sandbox, and wait for releases under way."""
+        self._unbound.clear()
         for traj in list(self._trajectories.values()):
             self._give_back(traj)
         await self._wait_given_back()
@@ -264,7 +291,7 @@ class SandboxTool(BaseTool):
         if traj.instances or self._trajectories.get(traj.trajectory_id) is not traj \
                 or traj.linger is not None:
             return
-        if self.linger_s == 0:
+        if self.linger_s == 0 or traj.alone:
             self._give_back(traj)
         else:
             traj.linger = asyncio.get_running_loop().call_later(
@@ -296,7 +323,15 @@ class SandboxTool(BaseTool):
         while self._giving_back:
             await asyncio.gather(*list(self._giving_back), return_exceptions=True)
 
-    async def _sandbox(self, instance_id: str):
+    async def _sandbox(self, instance_id: str, agent_data: Any = None):
+        """The instance's sandbox; an instance created without a trajectory id is bound
+        here, to ``agent_data``'s rollout (verl's agent loop) or to itself alone."""
+        create_kwargs = self._unbound.pop(instance_id, None)
+        if create_kwargs is not None:
+            rollout = getattr(agent_data, "request_id", None)
+            key = "request:%s" % rollout if rollout else "instance:%s" % instance_id
+            traj = await self._join(instance_id, key, create_kwargs, alone=not rollout)
+            return traj.opening.result()
         traj = self._instances.get(instance_id)
         if traj is None:
             raise SandmanError("no tool instance %s (never created, or released)" % instance_id)

@@ -199,6 +199,19 @@ def test_a_shell_that_exits_is_replaced_in_the_workdir(pool):
     env.close()
 
 
+def test_a_model_that_removes_its_workdir_gets_answers_and_a_zero_not_an_error(pool):
+    env = make(pool)
+    env.init(PROMPT)
+    shown(env.step("<bash>cd / && rm -rf /tmp/work</bash>"))
+    ended = shown(env.step("<bash>exit</bash>"))  # the new shell cannot start there
+    assert "/tmp/work is gone" in ended
+    assert "exit code 0" in shown(env.step("<bash>pwd</bash>"))
+    out = env.step("<submit>")  # the reward command cannot start in /tmp/work either
+    assert out["done"] and out["reward"] == 0.0 and out["metadata"]["reward_error"]
+    assert leased(pool) == 0
+    env.close()
+
+
 def test_a_failing_setup_raises_from_init_and_keeps_no_lease(pool):
     env = make(pool, setup="echo broken >&2; (exit 4)")
     with pytest.raises(sandman.SandmanError, match="setup command exited 4 in sandbox .*broken"):

@@ -60,7 +60,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, Con
 
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
-from sandman_ray.errors import SandmanError
+from sandman_ray.errors import DaemonError, SandmanError
 from sandman_ray.results import ExecResult
 from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
 
@@ -211,8 +211,13 @@ class SandboxTextEnv(BaseTextEnv):
             notes.append("[exit code %d]" % result.exit_code)
         if not result.session_alive:  # ``exit``, or a busy shell killed at the timeout
             self.sandbox.session_close(SESSION)
-            self.sandbox.session_open(SESSION, cwd=self.workdir)
-            notes.append("[the shell ended; a new one starts in %s]" % self.workdir)
+            try:
+                self.sandbox.session_open(SESSION, cwd=self.workdir)
+                notes.append("[the shell ended; a new one starts in %s]" % self.workdir)
+            except DaemonError:  # the model removed the workdir (or made it a file)
+                self.sandbox.session_open(SESSION)
+                notes.append("[the shell ended; %s is gone, so a new one starts in the "
+                             "sandbox's working directory]" % self.workdir)
         text = self._clipped(_output(result))
         observation = "<output>\n%s%s</output>\n%s" % (
             text, "" if not text or text.endswith("\n") else "\n", "\n".join(notes))
@@ -222,14 +227,21 @@ class SandboxTextEnv(BaseTextEnv):
     def _finish(self, metadata: Dict[str, Any]) -> BaseTextEnvStepOutput:
         """Score the episode with the reward command and give the sandbox back."""
         self.done = True
-        result = self.sandbox.exec(self.reward_command, cwd=self.workdir,
-                                   timeout=self.task_timeout_s,
-                                   max_output=OUTPUT_KEPT_BYTES)
+        try:
+            result = self.sandbox.exec(self.reward_command, cwd=self.workdir,
+                                       timeout=self.task_timeout_s,
+                                       max_output=OUTPUT_KEPT_BYTES)
+        except DaemonError as exc:  # it could not start: the model removed the workdir
+            result = None
+            metadata.update(reward_error=str(exc))
         self._release()
-        metadata.update(turns=self.turns, reward_exit_code=result.exit_code,
-                        reward_timed_out=result.timed_out,
-                        reward_output=self._clipped(_output(result)))
-        return BaseTextEnvStepOutput(observations=[], reward=1.0 if result.ok else 0.0,
+        metadata.update(turns=self.turns)
+        if result is not None:
+            metadata.update(reward_exit_code=result.exit_code,
+                            reward_timed_out=result.timed_out,
+                            reward_output=self._clipped(_output(result)))
+        return BaseTextEnvStepOutput(observations=[],
+                                     reward=1.0 if result is not None and result.ok else 0.0,
                                      done=True, metadata=metadata)
 
     # ------------------------------------------------------------------ helpers

@@ -75,9 +75,11 @@ def _head_node() -> Optional[str]:
     return None
 
 
-def get_pool(name: str = "default"):
+def get_pool(name: str = "default", refresh: bool = False):
+    """The pool's actor handle, looked up once per process; ``refresh``: look it up
+    again (a pool shut down and created anew by another process is a new actor)."""
     _caches_current()
-    pool = _pools.get(name)
+    pool = None if refresh else _pools.get(name)
     if pool is not None:
         return pool
     try:

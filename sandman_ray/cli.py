@@ -71,10 +71,11 @@ def _pools(name: Optional[str]) -> List[str]:
     return [name]
 
 
-def _call(pool: str, method: str, *args):
+def _call(pool: str, method: str, *args, refresh: bool = False):
     import ray
     import sandman_ray
-    return ray.get(getattr(sandman_ray.get_pool(pool), method).remote(*args), timeout=60)
+    actor = sandman_ray.get_pool(pool, refresh=refresh)
+    return ray.get(getattr(actor, method).remote(*args), timeout=60)
 
 
 def _table(rows: List[List[str]], header: List[str]) -> str:
@@ -96,6 +97,8 @@ def _age(seconds: float) -> str:
 def cmd_status(args) -> int:
     if args.watch:
         return _watch(args)
+    if args.interval is not None or args.count is not None:
+        raise CliError("--interval and --count go with --watch")
     statuses = [_call(p, "status") for p in _pools(args.pool)]
     if args.json:
         for s in statuses:
@@ -130,8 +133,11 @@ def _watch(args) -> int:
     frames). Rates are the change of the pool's counters since the last frame; pace/s
     is the create rate the pool allows itself now (it drops while the provider
     throttles). With ``--json``, a line of the pools' statuses per frame."""
-    if args.interval <= 0 or args.count < 0:
+    interval = 1.0 if args.interval is None else args.interval
+    count = args.count or 0
+    if interval <= 0 or count < 0:
         raise CliError("--interval must be above 0 and --count at least 0")
+    gone = ({"gone": args.pool} if args.json else "pool %s is gone" % args.pool)
     before: Dict[str, Dict] = {}
     last = 0.0
     frames = 0
@@ -143,7 +149,7 @@ def _watch(args) -> int:
             except CliError:
                 if not frames:
                     raise
-                print("pool %s is gone" % args.pool)
+                print(json.dumps(gone) if args.json else gone)
                 return 0
             statuses = [s for s in (_status_or_none(name) for name in names) if s]
             now = time.monotonic()
@@ -152,31 +158,39 @@ def _watch(args) -> int:
                     s.pop("create_starts", None)
                 print(json.dumps({"time": time.time(), "pools": statuses}, sort_keys=True))
             else:
-                rows = [_watch_row(s, before.get(s["pool"]), now - last) for s in statuses]
+                rows = [_watch_row(s, before.get((s["pool"], s["pid"])), now - last)
+                        for s in statuses]
                 if clear:
                     sys.stdout.write("\x1b[H\x1b[2J")
                 print("sandman status --watch   %s   every %g s, Ctrl-C to stop"
-                      % (time.strftime("%H:%M:%S"), args.interval))
+                      % (time.strftime("%H:%M:%S"), interval))
                 print(_table(rows, WATCH_HEADER) if rows else "no pools on this cluster")
                 print()
             sys.stdout.flush()
-            before, last = {s["pool"]: s for s in statuses}, now
+            # by pool and actor: a pool created anew starts its counters from zero
+            before, last = {(s["pool"], s["pid"]): s for s in statuses}, now
             frames += 1
-            if frames == args.count:
+            if frames == count:
                 return 0
-            time.sleep(args.interval)  # the refresh period, not a wait for anything
+            time.sleep(interval)  # the refresh period, not a wait for anything
     except KeyboardInterrupt:
         return 0
 
 
 def _status_or_none(pool: str) -> Optional[Dict]:
-    """A pool's status, or None when it stopped between the listing and the call."""
+    """A pool's status, or None when it stopped between the listing and the call (or
+    does not answer within a minute). A pool that stopped and was created anew under
+    its name is a new actor: it is looked up again."""
     import ray
     from sandman_ray.errors import SandmanError
-    try:
-        return _call(pool, "status")
-    except (ray.exceptions.RayActorError, SandmanError):
-        return None
+    for refresh in (False, True):
+        try:
+            return _call(pool, "status", refresh=refresh)
+        except ray.exceptions.RayActorError:
+            continue
+        except (SandmanError, ray.exceptions.GetTimeoutError):
+            return None
+    return None
 
 
 def _watch_row(status: Dict, before: Optional[Dict], elapsed: float) -> List[str]:
@@ -310,8 +324,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true",
                    help="a live table of every pool (or POOL), refreshed until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument("--interval", type=float, help="with --watch: seconds between refreshes (1)")
+    p.add_argument("--count", type=int, help="with --watch: stop after N refreshes (0: never)")
     p = sub.add_parser("list", help="the sandboxes of every pool (or POOL)")
     p.add_argument("pool", nargs="?")
     p.add_argument("--json", action="store_true")

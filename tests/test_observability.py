@@ -258,6 +258,39 @@ def test_status_watch_follows_a_burst_and_ends_with_its_pool(cluster):
     assert lines[-1].strip() == "pool %s is gone" % pool
 
 
+def test_status_watch_finds_a_pool_created_anew_under_its_name(cluster):
+    """A pool shut down and created again (a re-run job) is a new actor: the watch of
+    every pool shows it again, with its new actor, as JSON lines."""
+    import threading
+    pool = new_pool()
+    exe = Path(sys.executable).with_name("sandman")
+    watch = subprocess.Popen([str(exe), "--address", cluster["gcs"], "status", "--watch",
+                              "--json", "--interval", "0.2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+    reader.start()
+
+    def pids():
+        return [s["pid"] for line in list(lines) for s in json.loads(line)["pools"]
+                if s["pool"] == pool]
+    try:
+        wait_until(lambda: pids(), timeout=60, what="the pool in a frame")
+        first = pids()[0]
+        sandman.shutdown_pool(pool)
+        sandman.create_pool(pool, provider=sandman.LocalProvider(state_root=STATE,
+                                                                 cache_root=CACHE))
+        wait_until(lambda: any(pid != first for pid in pids()), timeout=30,
+                   what="the pool created anew in a frame")
+    finally:
+        watch.terminate()
+        watch.wait(timeout=30)
+        sandman.shutdown_pool(pool)
+    refused = sandman_cmd(cluster, "status", "--count", "2")
+    assert refused.returncode == 2 and "go with --watch" in refused.stderr
+
+
 def test_sandman_refuses_clearly_and_starts_no_cluster(cluster):
     raylets = len(processes_matching("raylet"))
     proc = subprocess.run([str(Path(sys.executable).with_name("sandman")), "--address",

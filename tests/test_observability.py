@@ -215,20 +215,28 @@ def test_status_list_events_and_gc_against_a_live_pool(cluster):
     assert pool not in sandman_cmd(cluster, "status").stdout
 
 
-def test_status_watch_follows_a_burst_and_ends_with_its_pool(cluster):
-    """A person watching a paced burst sees it queue, get created and leased, live;
-    the watch ends by itself when the pool is shut down."""
+def start_watch(cluster, *args):
+    """``sandman status --watch ARGS`` in the background: the process, and the list its
+    output lines are gathered into as they come."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
-    pool = new_pool(create_rate_per_s=4.0, create_burst=1)
     exe = Path(sys.executable).with_name("sandman")
-    watch = subprocess.Popen([str(exe), "--address", cluster["gcs"], "status", pool,
-                              "--watch", "--interval", "0.2"],
+    watch = subprocess.Popen([str(exe), "--address", cluster["gcs"], "status", "--watch",
+                              "--interval", "0.2"] + list(args),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
     lines: list = []
     reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
     reader.start()
+    watch.reader = reader
+    return watch, lines
+
+
+def test_status_watch_follows_a_burst_and_ends_with_its_pool(cluster):
+    """A person watching a paced burst sees it queue, get created and leased, live;
+    the watch ends by itself when the pool is shut down."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = new_pool(create_rate_per_s=4.0, create_burst=1)
+    watch, lines = start_watch(cluster, pool)
     try:
         def rows():
             """Each frame's row of the pool: {column: value} by the header's order."""
@@ -254,23 +262,15 @@ def test_status_watch_follows_a_burst_and_ends_with_its_pool(cluster):
     finally:
         sandman.shutdown_pool(pool)
     assert watch.wait(timeout=60) == 0, watch.stderr.read()
-    reader.join(timeout=10)
+    watch.reader.join(timeout=10)
     assert lines[-1].strip() == "pool %s is gone" % pool
 
 
 def test_status_watch_finds_a_pool_created_anew_under_its_name(cluster):
     """A pool shut down and created again (a re-run job) is a new actor: the watch of
     every pool shows it again, with its new actor, as JSON lines."""
-    import threading
     pool = new_pool()
-    exe = Path(sys.executable).with_name("sandman")
-    watch = subprocess.Popen([str(exe), "--address", cluster["gcs"], "status", "--watch",
-                              "--json", "--interval", "0.2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             stdin=subprocess.DEVNULL)
-    lines: list = []
-    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
-    reader.start()
+    watch, lines = start_watch(cluster, "--json")
 
     def pids():
         return [s["pid"] for line in list(lines) for s in json.loads(line)["pools"]

@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # one stamp per extra: make demo installs what the example needs, make test also
 # RLlib, a CPU build of torch and the agent frameworks of sandman_ray.integrations
 STAMP = $(VENV)/.installed-$(1)
+# make test's extras in one pip run, so that one resolver sees all their pins
+TEST_STAMP := $(VENV)/.installed-test,integrations
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
 # (unshare, nsenter, prlimit, mount) around sandboxes, slirp4netns and iptables for the
@@ -41,7 +43,7 @@ $(BUILTIN): | system-packages $(call STAMP,examples)
 demo: system-packages $(call STAMP,examples) $(BUILTIN)
 	$(BIN)/python examples/rl_rollout/train.py
 
-test: system-packages $(call STAMP,test) $(call STAMP,integrations) $(BUILTIN)
+test: system-packages $(TEST_STAMP) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # the fault suite (bench/chaos.py), every scenario once, as a test

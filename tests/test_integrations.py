@@ -280,6 +280,12 @@ def test_tool_files_setup_timeouts_and_bad_calls(pool):
     assert still_open == 0 and leased(pool) == 0
     with pytest.raises(ValueError, match="unknown keys"):
         SandboxTool({"pool": pool, "imgae": "host"})
+    with pytest.raises(ValueError, match="image or spec, not both"):
+        SandboxTool({"image": "host", "spec": {"image": "host"}})
+    with pytest.raises(ValueError, match="SandboxSpec has no field gpus"):
+        SandboxTool({"spec": {"image": "host", "gpus": 1}})
+    with pytest.raises(ValueError, match="pool name 'a/b'"):
+        SandboxTool({"pool": "a/b"})
 
 
 def test_under_verl_the_samples_of_one_row_get_a_sandbox_each(pool):

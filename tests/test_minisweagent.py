@@ -27,7 +27,6 @@ os.environ["MSWEA_GLOBAL_CONFIG_DIR"] = MSWEA_CONFIG_DIR
 os.environ["MSWEA_SILENT_STARTUP"] = "1"
 os.environ["MSWEA_CONFIGURED"] = "1"
 
-pytest.importorskip("minisweagent")
 from minisweagent.agents.default import DefaultAgent  # noqa: E402
 from minisweagent.environments import get_environment  # noqa: E402
 from minisweagent.environments.local import LocalEnvironment  # noqa: E402
@@ -103,7 +102,7 @@ def test_agent_fixes_a_bug_in_the_sandbox_and_submits(pool):
 
 
 # ---------------------------------------------------------------------- as LocalEnvironment
-CONFIG = {"cwd": "/tmp", "env": {"GREETING": "hello from config"}, "timeout": 1}
+CONFIG = {"cwd": "/tmp", "env": {"GREETING": "hello from config"}, "timeout": 3}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +157,7 @@ def test_timeout_is_reported_as_local_environment_reports_it(envs):
     seconds = "30.%03d" % (uuid.uuid4().int % 1000)  # names this command's sleep
     command = "echo partial; sleep %s" % seconds
     message = "Command '%s' timed out after 1 seconds" % command
-    assert ours.execute({"command": command}) == {
+    assert ours.execute({"command": command}, timeout=1) == {
         "output": "partial\n", "returncode": -1,
         "exception_info": "An error occurred while executing the command: " + message,
         "extra": {"exception_type": "TimeoutExpired", "exception": message}}
@@ -166,6 +165,14 @@ def test_timeout_is_reported_as_local_environment_reports_it(envs):
     left = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'sleep %s'" \
         % seconds.replace(".", "[.]")
     assert ours.execute({"command": left})["output"] == "0\n"
+
+
+def test_output_past_the_daemons_cap_ends_with_a_note(envs):
+    local, ours = envs
+    answer = ours.execute({"command": "head -c 17000000 /dev/zero | tr '\\0' a"})
+    assert answer["returncode"] == 0
+    assert answer["output"].endswith("\n[output past 16 MiB was dropped in the sandbox]")
+    assert answer["output"].startswith("a" * 1000) and len(answer["output"]) > 16_000_000
 
 
 def test_missing_cwd_is_reported_as_local_environment_reports_it(envs):

@@ -10,7 +10,7 @@ import sandman_ray as sandman
 from conftest import ROOT, leased, own_pool, require_bwrap
 from sandman_ray.spec import DEFAULT_IMAGE
 
-skyrl_gym = pytest.importorskip("skyrl_gym")
+import skyrl_gym  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402  (a skyrl_gym dependency)
 from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 
@@ -248,6 +248,8 @@ def test_files_from_a_dataset_column_skip_absent_entries(pool):
     ({}, {"files": {"n.txt": 5}}, r"extras\['files'\]\['n.txt'\] must be str or bytes"),
     ({}, {"files": "calc.py"}, r"extras\['files'\] must map paths to contents"),
     ({}, {"setup": ["pip", "install"]}, r"extras\['setup'\] must be a command string"),
+    ({"pool": "a/b"}, {}, r"env_config\['pool'\]: pool name 'a/b'"),
+    ({"pool": None}, {}, r"env_config\['pool'\]: pool name None"),
 ])
 def test_bad_input_is_refused_naming_the_problem(config, extras, problem):
     with pytest.raises(ValueError, match=problem):

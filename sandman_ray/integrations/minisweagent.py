@@ -72,6 +72,9 @@ SYSTEM_PROBE = "printf '%%s\\n' %s; cat /proc/self/environ" % " ".join(
 # output LocalEnvironment gives); ``exec`` keeps the command the process the daemon
 # waits for and kills.
 MERGE_STDERR = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh"]
+# Output kept per action: the daemon's most per stream (LocalEnvironment keeps all of it;
+# past this the end is dropped, and the answer says so).
+OUTPUT_KEPT_BYTES = 16 * 1024 * 1024
 
 
 class SandmanEnvironmentConfig(BaseModel):
@@ -180,11 +183,14 @@ class SandmanEnvironment:
             result = self._sandbox().exec(
                 [*MERGE_STDERR, *self.config.interpreter, command],
                 cwd=cwd or self.config.cwd or None, env=self.config.env or None,
-                timeout=timeout, kill_grace_s=0)
+                timeout=timeout, kill_grace_s=0, max_output=OUTPUT_KEPT_BYTES)
         except DaemonError as exc:  # the command could not start: a missing cwd, say
             output = _failed(str(exc), exc.type, "")
         else:
             text = _decoded(result.stdout)
+            if result.truncated:
+                text += ("\n[output past %d MiB was dropped in the sandbox]"
+                         % (OUTPUT_KEPT_BYTES >> 20))
             if result.timed_out:
                 expired = subprocess.TimeoutExpired(command, timeout)  # its message
                 output = _failed(str(expired), type(expired).__name__, text)

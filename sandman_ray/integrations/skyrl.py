@@ -62,7 +62,7 @@ import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import DaemonError, SandmanError
 from sandman_ray.results import ExecResult
-from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
+from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec, check_pool_name
 
 __all__ = ["ACTION_FORMAT", "ENV_ID", "SandboxTextEnv", "register_envs"]
 
@@ -103,7 +103,10 @@ class SandboxTextEnv(BaseTextEnv):
             raise ValueError("SandboxTextEnv: env_config has unknown keys %s (known: %s)"
                              % (unknown, sorted(_CONFIG_KEYS)))
         extras = _plain(extras, "extras")
-        self.pool = str(config.get("pool", "default"))
+        try:
+            self.pool = check_pool_name(config.get("pool", "default"))
+        except ValueError as exc:
+            raise ValueError("SandboxTextEnv: env_config['pool']: %s" % exc) from None
         self.sandbox_spec = _spec(config, extras)
         self.workdir = config.get("workdir", "/tmp/work")
         if not isinstance(self.workdir, str) or not self.workdir.startswith("/"):
@@ -113,7 +116,9 @@ class SandboxTextEnv(BaseTextEnv):
         self.task_timeout_s = _seconds(config, "task_timeout_s", 300.0)
         self.acquire_timeout_s = _seconds(config, "acquire_timeout_s", 120.0)
         self.max_output_chars = _count(config, "env_config", "max_output_chars", 4000)
-        self.max_turns = _count(extras, "extras", "max_turns", None) if "max_turns" in extras \
+        # a None column of a dataset is an absent value
+        self.max_turns = _count(extras, "extras", "max_turns", None) \
+            if extras.get("max_turns") is not None \
             else _count(config, "env_config", "max_turns", 10)
         self.reward_command = extras.get("reward_command")
         if not isinstance(self.reward_command, str) or not self.reward_command.strip():

@@ -48,7 +48,7 @@ from typing import Any, Dict, Optional, Tuple
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
-from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec
+from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec, check_pool_name
 
 try:  # verl's own base class and types when verl is installed
     from verl.tools.base_tool import BaseTool
@@ -107,8 +107,10 @@ class SandboxTool(BaseTool):
         if unknown:
             raise ValueError("SandboxTool config has unknown keys %s (known: %s)"
                              % (unknown, sorted(known)))
-        self.pool = config.get("pool", "default")
-        self.spec = SandboxSpec(**config["spec"]) if "spec" in config \
+        if "spec" in config and "image" in config:
+            raise ValueError("SandboxTool config takes image or spec, not both")
+        self.pool = check_pool_name(config.get("pool", "default"))
+        self.spec = SandboxSpec.from_dict(config["spec"]) if "spec" in config \
             else SandboxSpec.of(config.get("image", DEFAULT_IMAGE))
         self.workdir = config.get("workdir", "/tmp/work")
         self.exec_timeout_s = float(config.get("exec_timeout_s", 30.0))

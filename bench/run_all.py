@@ -942,6 +942,10 @@ def _burst_rows(b: dict, args) -> List[tuple]:
     return rows
 
 
+# in the order they run; stream last: its 100 MB chunks stay in the host's heap
+SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "stream")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="burst size")
@@ -953,11 +957,14 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4, help="reuse: sandboxes at a time")
     parser.add_argument("--cycles", type=int, default=200, help="cycle: lease cycles")
     parser.add_argument("--sections",
-                        default="noop,burst,cycle,reuse,fork,stream,cost,isolation")
+                        default=",".join(SECTIONS))
     parser.add_argument("--creates", type=int, default=30,
                         help="isolation: creates one at a time per level")
     args = parser.parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    unknown = sorted(sections - set(SECTIONS))
+    if unknown:
+        parser.error("unknown sections %s (known: %s)" % (unknown, ", ".join(SECTIONS)))
     image = "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
@@ -969,14 +976,10 @@ def main(argv=None) -> int:
             "fork": forks.fork_vs_fresh,
             "cost": lambda: cost(image),
             "isolation": lambda: isolation(args.creates),
-            # last: its 100 MB chunks stay in the host's heap
             "stream": lambda: stream(image)}
-    unknown = sorted(set(sections) - set(runs))
-    if unknown:
-        parser.error("unknown sections %s (known: %s)" % (unknown, ", ".join(runs)))
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:
-            for name in (n for n in runs if n in sections):
+            for name in (n for n in SECTIONS if n in sections):
                 shown.set_description("make bench: " + name)
                 results[name] = runs[name]()
                 shown.update()

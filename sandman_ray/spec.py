@@ -190,6 +190,20 @@ class SandboxSpec:
         """A spec from a spec or an image string."""
         return spec if isinstance(spec, SandboxSpec) else cls(image=spec)
 
+    @classmethod
+    def from_config(cls, image: Optional[str] = None,
+                    spec: Optional[Dict[str, object]] = None) -> "SandboxSpec":
+        """The sandbox a framework's config asks for: ``image`` (an image string) or
+        ``spec`` (a dict of fields), not both; neither is the default image. A
+        ValueError names what is wrong."""
+        if image is not None and spec is not None:
+            raise ValueError("give image or spec, not both (spec may hold the image)")
+        if spec is not None:
+            if not isinstance(spec, dict):
+                raise ValueError("spec must be a dict of SandboxSpec fields, got %r" % (spec,))
+            return cls.from_dict(spec)
+        return cls(image=DEFAULT_IMAGE if image is None else image)
+
     def __hash__(self):
         # Cached: the pool hashes specs of every record on every tick (10,000 records
         # made hashing its main cost). Never pickled: str hashes differ per process.

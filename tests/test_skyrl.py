@@ -199,6 +199,14 @@ def test_a_shell_that_exits_is_replaced_in_the_workdir(pool):
     env.close()
 
 
+def test_a_submit_marker_inside_a_command_is_part_of_the_command(pool):
+    env = make(pool)
+    env.init(PROMPT)
+    assert "<submit>" in shown(env.step("<bash>echo '<submit>'</bash>"))
+    assert env.step("done. <submit/>")["done"]
+    env.close()
+
+
 def test_a_model_that_removes_its_workdir_gets_answers_and_a_zero_not_an_error(pool):
     env = make(pool)
     env.init(PROMPT)

@@ -44,7 +44,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.errors import DaemonError, SandmanError
 from sandman_ray.handle import SandboxHandle
-from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec, check_pool_name
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 try:
     from minisweagent.environments.local import LocalEnvironment
@@ -135,12 +135,7 @@ class SandmanEnvironmentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_sandbox_spec(self):
-        if self.image is not None and self.spec is not None:
-            raise ValueError("give image or spec, not both (spec may hold the image)")
-        if self.spec is not None:
-            self._sandbox_spec = SandboxSpec.from_dict(self.spec)
-        else:
-            self._sandbox_spec = SandboxSpec.of(self.image or DEFAULT_IMAGE)
+        self._sandbox_spec = SandboxSpec.from_config(self.image, self.spec)
         return self
 
     @property

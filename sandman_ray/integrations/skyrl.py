@@ -62,7 +62,7 @@ import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import DaemonError, SandmanError
 from sandman_ray.results import ExecResult
-from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec, check_pool_name
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 __all__ = ["ACTION_FORMAT", "ENV_ID", "SandboxTextEnv", "register_envs"]
 
@@ -161,7 +161,7 @@ class SandboxTextEnv(BaseTextEnv):
                             % type(action).__name__)
         self.turns += 1
         try:
-            if _SUBMIT.search(action):
+            if _SUBMIT.search(_BASH_BLOCK.sub("", action)):  # a marker outside commands
                 self.submitted = True
                 return self._finish({"submitted": True})
             command, problem = _parse(action)
@@ -218,7 +218,8 @@ class SandboxTextEnv(BaseTextEnv):
             self.sandbox.session_close(SESSION)
             try:
                 self.sandbox.session_open(SESSION, cwd=self.workdir)
-                notes.append("[the shell ended; a new one starts in %s]" % self.workdir)
+                notes.append("[the shell ended; a new one starts in %s%s]" % (
+                    self.workdir, ", without what the setup exported" if self.setup else ""))
             except DaemonError:  # the model removed the workdir (or made it a file)
                 self.sandbox.session_open(SESSION)
                 notes.append("[the shell ended; %s is gone, so a new one starts in the "
@@ -345,16 +346,8 @@ def _unwrapped(value: Any) -> Any:
 
 
 def _spec(config: Dict[str, Any], extras: Dict[str, Any]) -> SandboxSpec:
-    if "image" in config and "spec" in config:
-        raise ValueError("SandboxTextEnv: env_config takes image or spec, not both")
     try:
-        if "spec" in config:
-            if not isinstance(config["spec"], dict):
-                raise ValueError("env_config['spec'] must be a dict of SandboxSpec fields, "
-                                 "got %r" % (config["spec"],))
-            spec = SandboxSpec.from_dict(config["spec"])
-        else:
-            spec = SandboxSpec(image=config.get("image", DEFAULT_IMAGE))
+        spec = SandboxSpec.from_config(config.get("image"), config.get("spec"))
         if extras.get("image") is not None:
             spec = dataclasses.replace(spec, image=extras["image"])
     except ValueError as exc:

@@ -48,7 +48,7 @@ from typing import Any, Dict, Optional, Tuple
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
-from sandman_ray.spec import DEFAULT_IMAGE, SandboxSpec, check_pool_name
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 try:  # verl's own base class and types when verl is installed
     from verl.tools.base_tool import BaseTool
@@ -107,11 +107,11 @@ class SandboxTool(BaseTool):
         if unknown:
             raise ValueError("SandboxTool config has unknown keys %s (known: %s)"
                              % (unknown, sorted(known)))
-        if "spec" in config and "image" in config:
-            raise ValueError("SandboxTool config takes image or spec, not both")
         self.pool = check_pool_name(config.get("pool", "default"))
-        self.spec = SandboxSpec.from_dict(config["spec"]) if "spec" in config \
-            else SandboxSpec.of(config.get("image", DEFAULT_IMAGE))
+        try:
+            self.spec = SandboxSpec.from_config(config.get("image"), config.get("spec"))
+        except ValueError as exc:
+            raise ValueError("SandboxTool config: %s" % exc) from None
         self.workdir = config.get("workdir", "/tmp/work")
         self.exec_timeout_s = float(config.get("exec_timeout_s", 30.0))
         self.acquire_timeout_s = float(config.get("acquire_timeout_s", 120.0))

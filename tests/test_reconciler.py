@@ -167,6 +167,21 @@ def test_a_waiter_is_served_by_the_create_it_caused_without_a_tick():
     run(main())
 
 
+def test_a_delete_waits_for_one_already_under_way():
+    """A delete begun elsewhere (its task not run yet) and a second delete of the same
+    sandbox: the second returns only once the provider has deleted it, so what comes
+    after (deleting a snapshot the sandbox ran from) does not find it still there."""
+    async def main():
+        pool, provider, _, _ = make(warm={SPEC: 1})
+        await settle(pool)
+        [rec] = list(pool.records.values())
+        pool._delete_soon(rec, "surplus")  # its provider call has not started
+        await pool._delete(rec, "its snapshot is deleted")
+        return rec.sandbox_id, provider.sandboxes, rec.state
+    sandbox_id, left, state = run(main())
+    assert sandbox_id not in left and state is State.GONE
+
+
 def test_release_resets_or_deletes_by_the_pool_s_reuse():
     async def main(reuse):
         pool, provider, _, _ = make(reuse=reuse)

@@ -70,6 +70,8 @@ class Reconciler(SnapshotOps):
                       "throttled": 0, "reclaimed": 0, "leases": 0, "lost": 0,
                       "registered": 0}  # leases a host took by a second call
         self.create_starts: Deque[float] = collections.deque(maxlen=5000)  # wall clock
+        # sandbox id -> futures of _delete calls that wait for a delete already under way
+        self.delete_waiters: Dict[str, List[asyncio.Future]] = {}
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.ended = EndedLeases()  # for hosts that ask why_ended
         self.wake: Optional[asyncio.Event] = None
@@ -514,17 +516,28 @@ class Reconciler(SnapshotOps):
             asyncio.get_running_loop().create_task(self._finish_delete(rec, reason))
 
     async def _delete(self, rec: Sandbox, reason: str) -> None:
+        """Delete ``rec``; returns once the provider has deleted it, also when another
+        delete of it was already under way (then that one is waited for)."""
         if self._begin_delete(rec, reason):
             await self._finish_delete(rec, reason)
+        elif rec.state is State.DELETING:
+            done = asyncio.get_running_loop().create_future()
+            self.delete_waiters.setdefault(rec.sandbox_id, []).append(done)
+            await done
 
     async def _finish_delete(self, rec: Sandbox, reason: str) -> None:
-        await self._provider_delete(rec.sandbox_id)
-        self.stats["deletes"] += 1
-        self.metrics.deleted(reason)
-        self._to(rec, State.GONE, reason)
-        self.records.drop(rec)
-        self._forget_fork_snapshot(rec.spec.image)
-        self.kick()
+        try:
+            await self._provider_delete(rec.sandbox_id)
+            self.stats["deletes"] += 1
+            self.metrics.deleted(reason)
+            self._to(rec, State.GONE, reason)
+            self.records.drop(rec)
+            self._forget_fork_snapshot(rec.spec.image)
+            self.kick()
+        finally:
+            for done in self.delete_waiters.pop(rec.sandbox_id, ()):
+                if not done.done():
+                    done.set_result(None)
 
     async def _provider_delete(self, sandbox_id: str) -> None:
         for attempt in range(5):

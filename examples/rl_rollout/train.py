@@ -92,10 +92,11 @@ def run_iteration(workers, weights, seeds: List[int], label: str,
     refs = [w.rollout_groups.remote(weights, share, group_size) if group_size > 1
             else w.rollout.remote(weights, share)
             for w, share in zip(workers, shares) if share]
-    pending = refs
-    # on a terminal only (disable=None), and gone once the iteration's row is printed
+    # on a terminal only (disable=None), and gone once the iteration's row is printed;
+    # the workers are asked how far they are only while a bar shows it
     with tqdm(total=len(seeds) * group_size, desc=label, unit="episode", leave=False,
               disable=None, dynamic_ncols=True) as bar:
+        pending = [] if bar.disable else refs
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             bar.update(sum(ray.get([w.progress.remote() for w in workers])) - bar.n)

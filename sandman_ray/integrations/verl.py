@@ -249,7 +249,7 @@ class SandboxTool(BaseTool):
         traj = self._forget(instance_id)
         if traj is not None:
             self._idle(traj)
-            if self.linger_s == 0 or traj.alone:
+            if not self._lingers(traj):
                 await self._wait_given_back()
 
     async def release_trajectory(self, trajectory_id: str) -> bool:
@@ -293,11 +293,16 @@ class SandboxTool(BaseTool):
         if traj.instances or self._trajectories.get(traj.trajectory_id) is not traj \
                 or traj.linger is not None:
             return
-        if self.linger_s == 0 or traj.alone:
+        if not self._lingers(traj):
             self._give_back(traj)
         else:
             traj.linger = asyncio.get_running_loop().call_later(
                 self.linger_s, self._linger_over, traj)
+
+    def _lingers(self, traj: _Trajectory) -> bool:
+        """Whether ``traj``'s sandbox waits ``linger_s`` for a next call once it has no
+        instance (not when nothing else can reach it)."""
+        return self.linger_s > 0 and not traj.alone
 
     def _linger_over(self, traj: _Trajectory) -> None:
         traj.linger = None

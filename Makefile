@@ -9,16 +9,19 @@ STAMP = $(VENV)/.installed-$(1)
 TEST_STAMP := $(VENV)/.installed-test,integrations
 # What the running code needs from Debian: bwrap for sandboxes, a static busybox for the
 # smallest test image, patchelf and binutils (strip) for the daemon bundle, util-linux
-# (unshare, nsenter, prlimit, mount) around sandboxes, slirp4netns and iptables for the
-# outbound network of sandboxes that ask for one, runsc (gVisor) for LocalProvider(isolation=
+# (unshare, nsenter, prlimit, mount) around sandboxes, slirp4netns, nftables and iproute2
+# (the filter and the tap device) for the outbound network of sandboxes that ask for one,
+# runsc (gVisor) for LocalProvider(isolation=
 # "gvisor"), skopeo and umoci for images, debootstrap for the
 # Debian test image, podman, runc and iptables (netavark's port publishing) for the
 # DockerProvider's engine (Podman's Docker API service; the tests start their own),
 # docker-registry for the tests' pulls, chromium for the test that looks at the Ray
-# dashboard. Podman's user "containers" gets subordinate ids for the DockerProvider's
+# dashboard, gcc and libc6-dev for the escape suite's probe (a static program that runs in
+# any image). Podman's user "containers" gets subordinate ids for the DockerProvider's
 # per-container user namespaces (tools/ensure-subids).
 DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo umoci debootstrap \
-	slirp4netns runsc podman runc iptables docker-registry chromium
+	slirp4netns nftables iproute2 runsc podman runc iptables golang-github-containers-common \
+	docker-registry chromium gcc libc6-dev
 
 .PHONY: demo test test-chaos bench system-packages clean
 

@@ -44,9 +44,10 @@ DAEMON_PACKAGE = Path(sandmand.__file__).parent  # daemon/sandmand/
 
 DEFAULT_MOUNT = "/.sandman"
 # Not needed by the daemon and each pulls in more shared libraries (zlib, OpenSSL ...):
-# the stdlib falls back cleanly when they are missing.
+# the stdlib falls back cleanly when they are missing. (``_ctypes`` and its libffi are
+# in: the daemon makes its few calls through it, without the ctypes package.)
 EXCLUDED_MODULES = {"zlib", "_bz2", "_lzma", "bz2", "lzma", "gzip", "_hashlib", "_ssl",
-                    "ssl", "hashlib", "_ctypes", "ctypes", "_blake2", "_sha1", "_sha256",
+                    "ssl", "hashlib", "ctypes", "_blake2", "_sha1", "_sha256",
                     "_sha3", "_sha512", "_md5", "_uuid", "readline", "_curses"}
 # Listing the modules the daemon imports, run by the interpreter being bundled: every
 # module of the daemon package, and what each imports.
@@ -224,7 +225,10 @@ def build(dest: Path, mount: str = DEFAULT_MOUNT, python: Path = None) -> Path:
         (lib / ("python%d.%d" % (major, minor)) / "os.py").write_text("# landmark\n")
         shutil.copy2(python, work / "bin" / "python3")
         _write_zipapp(work / "sandmand.pyz")
-        _patch(work, mount, loader, [work / "bin" / "python3"] + sorted(lib.glob("libpython*")))
+        # the extension modules too: one that loads a library of its own (_ctypes's
+        # libffi) finds it in the bundle, not in the image (which may have none)
+        _patch(work, mount, loader, [work / "bin" / "python3"] + sorted(lib.glob("libpython*"))
+               + sorted(dynload.rglob("*.so")))
         _write_pack(lib / "sandmand.pack")
         launcher = work / "bin" / "sandmand"
         launcher.write_text(_LAUNCHER % mount)

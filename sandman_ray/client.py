@@ -280,14 +280,17 @@ class _Operations:
     def _read_plan(self, path: str, offset: int, length: Optional[int],
                    max_bytes: int = MAX_RESULT_BYTES) -> Plan:
         chunks: List[bytes] = []
-        want, got = length, 0
+        want, got, start = length, 0, offset
         while True:
             ask = READ_CHUNK if want is None else min(want, READ_CHUNK)
             r = yield Request("read_file", {"path": path, "offset": offset, "length": ask},
                               self.default_timeout)
             chunks.append(r["data"])
             got += len(r["data"])
-            if got > max_bytes:
+            # a file already larger than max_bytes is refused at its first chunk, not
+            # read to the limit (a sparse terabyte would cost a gigabyte of reading)
+            wanted = r["size"] - start if want is None else min(want, r["size"] - start)
+            if got > max_bytes or wanted > max_bytes:
                 raise ResultTooLarge("%s holds more than max_bytes=%d bytes; read it in parts "
                                      "(offset, length) or raise the limit" % (path, max_bytes))
             offset += len(r["data"])

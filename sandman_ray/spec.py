@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
+from sandman_ray.providers.syscalls import check_capabilities
+
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
           "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
 
@@ -59,6 +61,10 @@ def _networks(allow) -> Tuple[str, ...]:
                              % (cidr,)) from None
     return tuple(out)
 
+
+# The most pseudo-terminals a spec may ask for: the host's kernel.pty.max is 4096 by
+# default, and every sandbox of the node shares it.
+MAX_PTYS = 1024
 
 # Images the LocalProvider builds itself from Debian's packages, on first use on each
 # node, and caches (sandman_ray.image_builders): ``builtin:debian`` is Debian 12 minbase
@@ -132,6 +138,11 @@ class SandboxSpec:
     idle_timeout_s: the lease ends after this long without a call (at least 10 s;
         None: the pool's ``idle_timeout_s``).
     labels: free-form key/value pairs attached to the sandbox (listing, ownership).
+    capabilities: kernel features the sandbox may use that every sandbox is refused
+        otherwise, by name: ``"NET_RAW"`` (raw IP and packet sockets; the network
+        filter still holds) and ``"IO_URING"`` (providers/syscalls.py has the policy).
+    ptys: most pseudo-terminals the sandbox may hold at once (its own devpts): the
+        host's are shared by every sandbox of the node.
     """
 
     image: str = DEFAULT_IMAGE
@@ -147,6 +158,8 @@ class SandboxSpec:
     ttl_s: Optional[float] = None
     idle_timeout_s: Optional[float] = None
     labels: Dict[str, str] = field(default_factory=dict)
+    capabilities: Tuple[str, ...] = ()
+    ptys: int = 64
 
     def __post_init__(self):
         if not isinstance(self.image, str) or not self.image.strip():
@@ -184,6 +197,14 @@ class SandboxSpec:
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ValueError("SandboxSpec.labels must map strings to strings, got %r=%r"
                                  % (key, value))
+        if isinstance(self.capabilities, str):
+            raise ValueError("SandboxSpec.capabilities must be a list of names, got the "
+                             "string %r" % (self.capabilities,))
+        object.__setattr__(self, "capabilities", check_capabilities(self.capabilities))
+        if isinstance(self.ptys, bool) or not isinstance(self.ptys, int) or \
+                not 1 <= self.ptys <= MAX_PTYS:
+            raise ValueError("SandboxSpec.ptys must be an int from 1 to %d, got %r"
+                             % (MAX_PTYS, self.ptys))
 
     @classmethod
     def of(cls, spec: Union["SandboxSpec", str]) -> "SandboxSpec":
@@ -226,6 +247,7 @@ class SandboxSpec:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["env"], out["labels"] = dict(self.env), dict(self.labels)
         out["network_allow"] = list(self.network_allow)
+        out["capabilities"] = list(self.capabilities)
         return out
 
     @classmethod
@@ -240,7 +262,7 @@ class SandboxSpec:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
         return (self.image, self.cpu, self.memory, self.pids, self.disk,
                 tuple(sorted(self.env.items())), self.workdir, self.network,
-                self.network_allow, self.user)
+                self.network_allow, self.user, self.capabilities, self.ptys)
 
 
 # A pool's pacing of creates, unless its config or its provider (``Provider.pacing``)

@@ -2,6 +2,7 @@
 host or the cluster, gVisor's wall, and an agent that is not root."""
 
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -126,9 +127,9 @@ def test_root_inside_cannot_lift_the_network_filter(request, busybox_rootfs, kin
                      "busybox iptables -F; echo rc=$?")
         assert "rc=0" not in out and "Operation not permitted" in out
         rules = subprocess.run(["nsenter", "--net=/proc/%d/ns/net" % daemon_pid(sb),
-                                "iptables-legacy-save"], capture_output=True, text=True).stdout
-        assert "-A OUTPUT -d 169.254.0.0/16 -j REJECT" in rules
-        assert "-A OUTPUT -d 10.0.0.0/8 -j REJECT" in rules
+                                "nft", "list", "ruleset"], capture_output=True, text=True).stdout
+        assert "ip daddr @refused reject" in rules and "ip daddr @refused drop" in rules
+        assert "169.254.0.0/16" in rules and "10.0.0.0/8" in rules
 
 
 # ---------------------------------------------------------------- under gVisor
@@ -263,21 +264,24 @@ def test_the_network_filter_refuses_the_clusters_other_nodes_too():
     """A public address of another Ray node (its GCS, its raylet) is as closed as this
     host's own; the spec's network_allow comes first and may open it."""
     from sandman_ray.providers.network import ruleset
-    rules = ruleset(allow=("198.51.100.9/32",), neighbours=("203.0.113.7",)).splitlines()
-    assert "-A OUTPUT -d 203.0.113.7/32 -j REJECT" in rules
-    assert rules.index("-A OUTPUT -d 198.51.100.9/32 -j ACCEPT") < rules.index(
-        "-A OUTPUT -d 203.0.113.7/32 -j REJECT")
+    rules = ruleset(allow=("8.8.4.4/32",), neighbours=("8.8.8.8",)).splitlines()
+    refused = [line for line in rules if "set refused" in line]
+    assert len(refused) == 2 and all("8.8.8.8/32" in line for line in refused)
+    for accept, reject in (("    ip daddr @allowed accept", "    ip daddr @refused reject"),
+                           ("    ip daddr @allowed accept", "    ip daddr @refused drop")):
+        assert rules.index(accept) < rules.index(reject)
 
 
 # ---------------------------------------------------------------- an agent that is not root
 NOBODY = 65534
 
 
-def run_as_nobody(work: str, port: int, targets) -> dict:
+def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=()) -> dict:
     """tests/unprivileged_agent.py run as nobody, its JSON. The interpreter, the
     virtualenv's packages and the checkout stay where root put them (perhaps under a
     0700 home): a private mount namespace binds them read-only where nobody may read
-    them, and nobody runs the same code from there."""
+    them, and nobody runs the same code from there. ``probe``: the escape probe (a
+    file nobody may read) to run with ``checks`` in a sandbox, and nothing else."""
     import json
     import site
     import sys
@@ -297,11 +301,12 @@ def run_as_nobody(work: str, port: int, targets) -> dict:
         script = ("mount --bind -o ro %s %s/python && mount --bind -o ro %s %s/site && "
                   "mount --bind -o ro %s %s/repo && exec setpriv --reuid %d --regid %d "
                   "--clear-groups env -i HOME=%s PATH=/usr/sbin:/usr/bin:/sbin:/bin "
+                  "SANDMAN_PROBE=%s SANDMAN_PROBE_CHECKS=%s "
                   "PYTHONHOME=%s/python PYTHONPATH=%s/pkgs:%s/site:%s/repo/tests %s/python/%s "
                   "%s/repo/tests/unprivileged_agent.py %s %d %s" % (
                       base, mnt, site.getsitepackages()[0], mnt, ROOT, mnt, NOBODY, NOBODY,
-                      work, mnt, mnt, mnt, mnt, mnt, os.path.relpath(python, base), mnt, work,
-                      port, " ".join(targets)))
+                      work, probe, shlex.quote(" ".join(checks)), mnt, mnt, mnt, mnt, mnt,
+                      os.path.relpath(python, base), mnt, work, port, " ".join(targets)))
         done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                script], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]

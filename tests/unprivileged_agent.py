@@ -3,7 +3,10 @@ agent that is not root does for a sandbox (bwrap.SandboxProcess, unprivileged), 
 the attacks from inside, through the daemon's client. Prints one JSON object: what
 each attack printed, and what the host saw.
 
-    python tests/unprivileged_agent.py WORK_DIR LISTENER_PORT
+    python tests/unprivileged_agent.py WORK_DIR LISTENER_PORT [NODE_ADDRESS ...]
+
+With SANDMAN_PROBE (a path) and SANDMAN_PROBE_CHECKS set, it runs only the escape
+probe with those checks in one sandbox, and prints its report.
 """
 
 import json
@@ -35,6 +38,17 @@ def sh(client, cmd: str) -> str:
     return (r.stdout + r.stderr).decode()
 
 
+def probe(client, path: str, checks) -> dict:
+    """The escape probe's report in a sandbox (tests/test_escape_bench.py)."""
+    with open(path, "rb") as fh:
+        client.write_file("/tmp/.sandman-probe", fh.read(), mode=0o755)
+    r = client.exec(["/tmp/.sandman-probe"] + list(checks), timeout=120)
+    return {"text": r.stdout.decode(), "status": sh(client, "cat /proc/self/status"),
+            "mountinfo": sh(client, "cat /proc/self/mountinfo"),
+            "release_agents": sh(client, "ls /sys/fs/cgroup/*/release_agent "
+                                         "/sys/fs/cgroup/release_agent 2>/dev/null; true")}
+
+
 def main() -> None:
     work, port = Path(sys.argv[1]), int(sys.argv[2])
     cache, state = secure_root(work / "cache"), secure_root(work / "state")
@@ -43,6 +57,16 @@ def main() -> None:
     busybox = PreparedImage("dir:%s" % rootfs, rootfs)
     host = PreparedImage("host", None)
     out = {"agent_uid": os.geteuid()}
+    if os.environ.get("SANDMAN_PROBE"):  # only the probe, in a busybox sandbox
+        box, client = sandbox("u-probe", busybox, bundle, state)
+        try:
+            out["probe"] = probe(client, os.environ["SANDMAN_PROBE"],
+                                 os.environ["SANDMAN_PROBE_CHECKS"].split())
+        finally:
+            client.close()
+            box.remove()
+        print(json.dumps(out))
+        return
     # more processes of the agent's uid than the sandbox's pids limit: they must not
     # count against it
     others = [subprocess.Popen(["sleep", "120"]) for _ in range(80)]

@@ -5,7 +5,8 @@ task image (at ``/.sandman``) and keeps files, shell sessions and background pro
 alive across calls; the protocol is documented in ``docs/protocol.md``. Its modules:
 ``wire`` (constants, codec, frames and the op table, imported by the client too),
 ``fields`` (request fields and the errors answered), ``loop`` (the event loop),
-``spawn`` (starting and following processes), ``commands`` (exactly once: commands
+``spawn`` (starting and following processes), ``attrs`` (what a tenant may change of
+the daemon's process, and its bounding set), ``commands`` (exactly once: commands
 with an id), ``daemon`` (the Daemon: state, lifecycle,
 listening), ``ops/`` (the operations, by group), ``connection`` (frames in, replies
 out, dispatch) and ``__main__`` (arguments and main: ``python -m sandmand``, or
@@ -15,4 +16,4 @@ it stays this small.
 
 # stdlib modules imported on first use; the bundle builder packs these too
 LAZY_IMPORTS = ("resource", "subprocess", "shutil", "tarfile", "io", "threading", "heapq",
-                "collections", "select", "fcntl", "termios", "struct")
+                "collections", "select", "fcntl", "termios", "struct", "_ctypes")

@@ -31,6 +31,7 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     __package__, __spec__ = "sandmand", None
 
+from .attrs import drop_bounding_set  # noqa: E402
 from .daemon import OOM_COUNTERS, Daemon, OomCounter, oom_kills  # noqa: E402
 from .wire import DEFAULT_OUTPUT_CAP, HELLO_TIMEOUT_S  # noqa: E402
 
@@ -90,6 +91,7 @@ def main(argv=None):
         os.chroot(opts["root"])
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
+    drop_bounding_set()  # before the Daemon notes its settings
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
     daemon.admin_token, daemon.skeleton = admin_token, skeleton
     daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")

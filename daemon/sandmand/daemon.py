@@ -9,12 +9,13 @@ import time
 import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 import _socket            # likewise socket.py
 
+from . import attrs
 from .commands import Commands
 from .connection import Connection, refuse
 from .fields import RequestError, bad_request, number_field
 from .loop import Loop, resolve_once, wait_all
 from .ops.exec import ExecOps
-from .ops.files import FileOps
+from .ops.files import FileOps, open_regular
 from .ops.procs import ProcessOps
 from .ops.sessions import SessionOps
 from .ops.terminals import TerminalOps
@@ -26,6 +27,7 @@ from .wire import (
     PROTOCOL_VERSION)
 
 
+OS_RELEASE_MAX = 64 * 1024  # what info() reads of /etc/os-release
 # Where a container (a cgroup namespace of its own) sees its memory cgroup's counters.
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 
@@ -82,7 +84,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         self.token = token  # the lease's; None while a renew runs
         self.admin_token = None  # the launcher's, for renew (None: no renew)
         self.skeleton = None  # the root the daemon started in, when it runs in --root
-        self.settings = own_settings()  # what a renew checks no tenant changed
+        self.settings = attrs.settings()  # what a renew checks no tenant changed
         self.hello_timeout_s = hello_timeout_s
         self.workdir = workdir
         self.default_cap = default_cap
@@ -367,8 +369,7 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
             # an op's thread of the last lease still at work would go on in the next
             # tenant's root; what a tenant may set on this process would stay with it
             busy = await self._threads_done()
-            changed = [name for name, value in own_settings().items()
-                       if value != self.settings.get(name)]
+            changed = attrs.changed(self.settings, attrs.settings())
             return {"left": left + busy + len(changed), "threads": busy, "changed": changed}
         if phase == "enter":
             root, token, admin = req.get("root"), req.get("token"), req.get("admin")
@@ -423,33 +424,22 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         return after is not None and after > before
 
 
-def own_settings():
-    """What a process of the sandbox with the daemon's uid may change of the daemon
-    (``prlimit``, ``setpriority``, ``sched_setscheduler`` on PID 1) and its children
-    would inherit."""
-    import resource
-    out = {"nice": os.getpriority(os.PRIO_PROCESS, 0), "policy": os.sched_getscheduler(0)}
-    for name in dir(resource):
-        if name.startswith("RLIMIT_"):
-            try:
-                out[name] = resource.getrlimit(getattr(resource, name))
-            except (ValueError, OSError):
-                continue
-    return out
-
-
 def read_os_release():
+    """/etc/os-release (or /usr/lib/os-release) as a dict: at most 64 KiB of it, and
+    only from a regular file (the tenant's FIFO in its place is skipped, not waited
+    on)."""
     info = {}
     for path in ("/etc/os-release", "/usr/lib/os-release"):
         try:
-            with open(path, "r", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    key, sep, value = line.strip().partition("=")
-                    if sep and not key.startswith("#"):
-                        info[key] = value.strip().strip("'\"")
-            break
-        except OSError:
+            with open_regular(path) as fh:
+                text = fh.read(OS_RELEASE_MAX).decode("utf-8", "replace")
+        except (OSError, RequestError):
             continue
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and not key.startswith("#"):
+                info[key] = value.strip().strip("'\"")
+        break
     return info
 
 

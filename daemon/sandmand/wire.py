@@ -405,7 +405,7 @@ OPS = (
     Op("pty_close", "async", True, dict({"pty": required(int)}, **_GRACE)),
     Op("pty_list", "sync", True, {}),
     # files and archives (ops/files.py)
-    Op("read_file", "sync", True, dict(_PATH, offset=optional(int), length=optional(int))),
+    Op("read_file", "async", True, dict(_PATH, offset=optional(int), length=optional(int))),
     Op("write_file", "sync", True, dict(_PATH, data=required(bytes, str), mode=optional(int),
                                         parents=optional(bool), append=optional(bool))),
     Op("stat", "sync", True, dict(_PATH, follow_symlinks=optional(bool))),

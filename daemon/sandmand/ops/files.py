@@ -8,21 +8,25 @@ import stat
 from ..fields import RequestError, as_bytes, bad_request, field, path_field
 from ..wire import CHUNK, MAX_LIST_BYTES, MAX_READ, MAX_UPLOADS, MAX_UPLOADS_PER_CONNECTION
 
+INLINE_READ = 256 * 1024  # read_file reads larger than this run on a thread
+
 
 class FileOps:
     """The Daemon's file and archive ops (a mixin: the state is the Daemon's)."""
 
-    def op_read_file(self, req):
+    async def op_read_file(self, req):
+        """Up to ``length`` bytes (at most MAX_READ) from ``offset``. A read larger than
+        INLINE_READ runs on a thread, so that other connections' calls are answered
+        meanwhile (a sparse file of any size reads as fast as memory copies)."""
         path = path_field(req)
         offset = field(req, "offset", 0)
         length = field(req, "length", MAX_READ)
         if offset < 0 or length < 0:
             raise bad_request("offset and length must not be negative")
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            fh.seek(offset)
-            data = fh.read(min(length, MAX_READ))
-        return {"data": data, "size": size, "eof": offset + len(data) >= size}
+        length = min(length, MAX_READ)
+        if length <= INLINE_READ:
+            return _read_part(path, offset, length)
+        return await self.loop.run_in_executor(None, _read_part, path, offset, length)
 
     def op_write_file(self, req):
         path = path_field(req)
@@ -33,12 +37,9 @@ class FileOps:
         if field(req, "parents", True):
             os.makedirs(parent, exist_ok=True)
         if append:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
-            try:
-                _write_fd(fd, data)
-            finally:
-                os.close(fd)
-            return {"size": os.stat(path).st_size}
+            with open_regular(path, "ab", mode) as fh:
+                _write_fd(fh.fileno(), data)
+                return {"size": os.fstat(fh.fileno()).st_size}
         # atomic replace: readers see the old file or the new one, never half of it
         tmp = os.path.join(parent, ".%s.sandman-%s" % (os.path.basename(path), os.urandom(6).hex()))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
@@ -161,6 +162,47 @@ class FileOps:
         return {"files": count}
 
 
+_OPEN_FLAGS = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+               "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+
+
+def _read_part(path, offset, length):
+    with open_regular(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        fh.seek(offset)
+        data = fh.read(length)
+    return {"data": data, "size": size, "eof": offset + len(data) >= size}
+
+
+def open_regular(path, mode="rb", perms=0o644):
+    """``path`` opened as a file object (``mode`` rb, wb or ab), refused unless it is a
+    regular file. Opened without blocking: a FIFO (the tenant's, or swapped in under a
+    copy) would hold the opening thread until someone opens its other end, and a
+    device would answer without end; either way the caller gets an error at once."""
+    flags = _OPEN_FLAGS[mode] | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, perms)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # a FIFO no one reads, opened for writing
+            raise
+        fd = None
+        st = os.stat(path)
+    if fd is not None:
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    if not stat.S_ISREG(st.st_mode):
+        if fd is not None:
+            os.close(fd)
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "special file")
+        raise RequestError("NotARegularFile", "%s is a %s, not a regular file"
+                           % (os.fsdecode(path), kind))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode)
+
+
 def _write_fd(fd, data):
     view = memoryview(data)
     while view:
@@ -240,9 +282,12 @@ def _tarfile():
     """tarfile without user and group name lookups: those would load the NSS modules
     that the sandbox's own /etc/nsswitch.conf names, from the sandbox's own files, into
     the daemon, which outlives its tenants (providers/local/renew.py). Archives carry
-    numeric owners only."""
+    numeric owners only. Its file opens are ``open_regular``'s."""
     import tarfile
     tarfile.pwd = tarfile.grp = None
+    # the files it reads (get_archive) and writes (put_archive) are opened as regular
+    # files only, without blocking: a FIFO in their place is an error, not a hang
+    tarfile.bltn_open = open_regular
     return tarfile
 
 

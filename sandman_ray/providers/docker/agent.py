@@ -5,7 +5,6 @@ on one node's engine, and keeps the pool's snapshots there (see
 import asyncio
 import logging
 import os
-import re
 import secrets
 import shutil
 import time
@@ -15,36 +14,27 @@ from typing import Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
+from sandman_ray.errors import NotSupported, ProviderError, SandmanError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
 from sandman_ray.providers.docker.engine import (
     EngineFacts, PullFailed, commit_changes, commit_container, container_name, engine_client,
-    engine_error, engine_facts, is_snapshot_reference, list_containers, pull_error,
+    engine_error, is_snapshot_reference, list_containers, pull_error,
     remove_container, remove_containers, remove_snapshot_image, remove_snapshot_images,
     short_name, snapshot_base, snapshot_images, snapshot_info, snapshot_labels,
     snapshot_reference)
+from sandman_ray.providers.docker.container import (
+    AGENT_LABEL, NO_SUBIDS, NODE_LABEL, TCP_PORT, ContainerSpecs)
 from sandman_ray.providers.nodes import SingleFlight
-from sandman_ray.spec import SandboxSpec, parse_image
+from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
 
-NODE_LABEL = "sandman.node"
-AGENT_LABEL = "sandman.agent"   # the incarnation of the agent that created the container
-SOCKET_DIR = "/run/sandman"
-TCP_PORT = 7000                 # where the daemon listens inside the container (tcp)
 PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
-IDS_PER_CONTAINER = 65536       # host ids of a container's user namespace (Podman)
-# Podman's slirp4netns: the host's loopback (10.0.2.2) and IPv6 off; the filter does the rest
-PODMAN_NETWORK = "slirp4netns:allow_host_loopback=false,enable_ipv6=false"
-NO_SUBIDS = ("Podman has no subordinate ids for the user 'containers', which "
-             "DockerProvider(user_namespace='auto') needs: add a line such as "
-             "'containers:2147483648:1073741824' to /etc/subuid and /etc/subgid (the "
-             "Makefile's set-up does), or pass user_namespace='host' for trusted code only")
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
-class DockerAgent:
+class DockerAgent(ContainerSpecs):
     """Creates, resets and deletes one pool's containers on one node's engine."""
 
     def __init__(self, pool: str, node_id: str, base_url: str, state_root: str,
@@ -176,90 +166,6 @@ class DockerAgent:
         return await self.creating.run(sandbox_id,
                                        lambda: self._create(sandbox_id, spec, labels))
 
-    def _image_of(self, spec: SandboxSpec) -> str:
-        """The engine's reference of the spec's image: a registry or local reference
-        as it is, ``snapshot:<pool>/<name>`` (the form every provider takes) as this
-        pool's snapshot reference."""
-        kind, location, _ = parse_image(spec.image)
-        if spec.image.startswith("snapshot:"):
-            pool, _, name = spec.image[len("snapshot:"):].partition("/")
-            if pool != self.pool:
-                raise fatal("image %r: a sandbox of pool %s runs only that pool's snapshots"
-                            % (spec.image, self.pool))
-            location = snapshot_reference(self.pool, name)
-        elif kind != "registry":
-            raise fatal("image %r: the DockerProvider runs images its engine has or can pull "
-                        "(a reference such as docker.io/library/debian:12 or localhost/name:tag)"
-                        % spec.image)
-        if self.transport == "tcp" and not spec.network:
-            raise fatal("image %r: transport='tcp' needs SandboxSpec(network=True); a container "
-                        "without a network cannot publish its daemon's port" % spec.image)
-        return location
-
-    def _container_config(self, sandbox_id: str, spec: SandboxSpec, image: str,
-                          labels: Dict[str, str], run_dir: Path) -> dict:
-        from docker.types import Mount
-        if self.transport == "tcp":
-            listen = "tcp:0.0.0.0:%d" % TCP_PORT
-        else:
-            listen = "unix:%s/sock" % SOCKET_DIR
-        config = dict(
-            image=image, name=container_name(self.pool, sandbox_id),
-            entrypoint=["/.sandman/bin/sandmand"],
-            # the socket is 0666: the host directory (0700 above it) and the token guard
-            # it, and the client need not be the user the image runs as
-            command=["--listen", listen, "--socket-mode", "0666",
-                     "--token-file", "%s/token" % SOCKET_DIR],
-            labels=dict(labels, **{NODE_LABEL: self.node_id, AGENT_LABEL: self.incarnation}),
-            hostname=re.sub(r"[^a-z0-9-]", "-", sandbox_id.lower())[:63],
-            mounts=[Mount("/.sandman", str(self.bundle), type="bind", read_only=True),
-                    Mount(SOCKET_DIR, str(run_dir), type="bind")],
-            environment=dict(spec.env), detach=True)
-        if spec.workdir:
-            config["working_dir"] = spec.workdir
-        if spec.user:
-            config["user"] = spec.user
-        if spec.network:
-            if self.transport == "tcp":
-                config["ports"] = {"%d/tcp" % TCP_PORT: None}  # a free port, every address
-            if self.facts.podman:
-                config["network_mode"] = PODMAN_NETWORK
-        else:
-            config["network_mode"] = "none"
-        if self.runtime and not self.facts.podman:
-            config["runtime"] = self.runtime
-        if spec.disk and self.disk_quota:
-            config["storage_opt"] = {"size": str(spec.disk)}
-        if spec.cpu:
-            config["nano_cpus"] = int(spec.cpu * 1e9)
-        if spec.memory:
-            config["mem_limit"] = config["memswap_limit"] = spec.memory
-        if spec.pids:
-            config["pids_limit"] = spec.pids
-        return config
-
-    async def _check_engine(self, spec: SandboxSpec) -> None:
-        """Refuse, naming the fix, what this engine cannot run as the provider promises."""
-        if self.facts is None:
-            self.facts = await self._engine("ask the engine's version", engine_facts, self.engine)
-        facts = self.facts
-        if self.user_namespace == "auto" and not facts.podman and not facts.userns_remap \
-                and self.runtime != "runsc":  # under runsc, gVisor's kernel is the boundary
-            raise fatal("the Docker daemon at %s runs containers as host root: configure "
-                        "userns-remap in its daemon.json, or pass "
-                        "DockerProvider(user_namespace='host') for trusted code only"
-                        % self.base_url)
-        if self.runtime and facts.podman and facts.default_runtime != self.runtime:
-            raise fatal("runtime %r: Podman's Docker API runs every container with the "
-                        "engine's default runtime (%r here); set [engine] runtime = %r in its "
-                        "containers.conf (PodmanService(runtime=%r) does)"
-                        % (self.runtime, facts.default_runtime, self.runtime, self.runtime))
-        if self.runtime == "runsc" and facts.podman and spec.network:
-            raise fatal("image %r: under gVisor through Podman a container has no network "
-                        "(runsc needs a network namespace that Podman's compat API does not "
-                        "hand it); use network=False, or LocalProvider(isolation='gvisor')"
-                        % spec.image)
-
     def _still_wanted(self, sandbox_id: str) -> None:
         if self.closing:
             raise fatal("sandbox %s: pool %s is shutting down" % (sandbox_id, self.pool))
@@ -326,38 +232,6 @@ class DockerAgent:
         if not pid:
             raise transient("sandbox %s: its container stopped as it started" % sandbox_id)
         return pid
-
-    async def _seal(self, sandbox_id: str, pid: int, spec: SandboxSpec) -> None:
-        """Before the daemon is reachable (nothing inside runs before a client
-        connects): no nested user namespaces, and the network filter loaded into the
-        container's namespace."""
-        from sandman_ray.providers.network import load_filter, ray_node_addresses, ruleset
-        from sandman_ray.providers.userns import forbid_nested_user_namespaces
-        loop = asyncio.get_running_loop()
-        try:  # (under runsc, namespaces made inside are gVisor's, not the host kernel's)
-            if self.runtime != "runsc":
-                await loop.run_in_executor(None, forbid_nested_user_namespaces, pid)
-        except OSError as exc:
-            raise transient("sandbox %s: %s" % (sandbox_id, exc)) from exc
-        if spec.network:
-            neighbours = await loop.run_in_executor(None, ray_node_addresses)
-            rules = ruleset(spec.network_allow, neighbours,
-                            serves=TCP_PORT if self.transport == "tcp" else None)
-            try:
-                await loop.run_in_executor(None, load_filter, sandbox_id,
-                                           "/proc/%d/ns/net" % pid, rules)
-            except SandboxLost as exc:
-                raise transient(str(exc)) from exc
-
-    def _create_call(self, config: dict):
-        """The engine's create, with what the SDK does not pass: Podman's per-container
-        user namespace."""
-        from docker.models.containers import _create_container_args
-        args = _create_container_args(dict(config, version=self.engine.api._version))
-        if self.user_namespace == "auto" and self.facts.podman and self.runtime != "runsc":
-            args["host_config"]["UsernsMode"] = "auto:size=%d" % IDS_PER_CONTAINER
-        created = self.engine.api.create_container(**args)
-        return self.engine.containers.get(created["Id"])
 
     async def _create_container(self, sandbox_id: str, config: dict):
         import docker.errors

@@ -14,8 +14,9 @@ conmon processes per container exec alive for five minutes; 0 breaks exec).
 ``runtime="runsc"`` makes gVisor the engine's runtime (Podman's Docker API takes the
 runtime from here, not from the request), through a wrapper that gives runsc what this
 kind of host needs: the ptrace platform (KVM is not always there), no network of its
-own (Podman hands runsc no network namespace through that API), and host unix sockets
-in bind mounts (the daemon's socket directory).
+own (Podman hands runsc no network namespace through that API), host unix sockets
+in bind mounts (the daemon's socket directory), and the container's seccomp profile
+loaded into gVisor's own kernel (``--oci-seccomp``: runsc ignores it otherwise).
 """
 
 import os
@@ -39,7 +40,7 @@ runsc = ["%(runsc)s"]
 """
 RUNSC_WRAPPER = """\
 #!/bin/sh
-exec %s --platform=ptrace --network=none --host-uds=all "$@"
+exec %s --platform=ptrace --network=none --host-uds=all --oci-seccomp "$@"
 """
 RUNTIMES = ("runc", "runsc")
 

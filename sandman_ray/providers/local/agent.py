@@ -17,7 +17,7 @@ import ray
 from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
     SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
-from sandman_ray.providers.network import ray_node_addresses
+from sandman_ray.providers.network import node_routes, ray_node_addresses
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
 
@@ -49,6 +49,7 @@ class NodeAgent:
         self.isolation = isolation
         self.state_root = secure_root(Path(state_root))
         self.view_root = view_root(self.state_root)
+        self.routes = node_routes()  # the node's gateways and on-link subnets
         cache = secure_root(Path(cache_root))
         # a directory per incarnation: the janitor of a dead agent of this pool and node
         # kills and removes what names its own directory, never the next agent's
@@ -149,8 +150,10 @@ class NodeAgent:
             "cgroup_group": "%s/%s" % (self.cgroup_parent, sandbox_id), "ids": ids}
         sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
                        view_root=self.view_root, **extra)
-        if spec.network:  # no route to any node of the cluster, this one's or another's
-            sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses)
+        if spec.network:  # no route to any node of the cluster, this one's or another's,
+            # nor to this node's own neighbours (its gateways and on-link subnets)
+            sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses) + \
+                self.routes
         try:
             await self._launch(sandbox)
             await sandbox.wait_ready(self.ready_timeout_s)

@@ -59,7 +59,7 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
@@ -75,11 +75,17 @@ SOCKET_DIR = "/run/sandman"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Host directories a sandbox of the host's root gets fresh (or not at all).
 HOST_SKIPPED = {"proc", "dev", "sys", "tmp", "run", ".sandman", "lost+found"}
-# What root inside a sandbox may still do: the default set of container engines. Gone,
-# among others: SYS_ADMIN (mount), SYS_PTRACE, SYS_MODULE, NET_ADMIN, SYS_TIME.
-CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID",
+# What root inside a sandbox may still do: the default set of container engines but
+# NET_RAW, which a spec must ask for (SandboxSpec.capabilities). Gone, among others:
+# SYS_ADMIN (mount), SYS_PTRACE, SYS_MODULE, NET_ADMIN, NET_RAW, SYS_TIME.
+CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "SETGID",
                 "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
                 "AUDIT_WRITE")
+
+
+def capabilities(spec: SandboxSpec) -> Tuple[str, ...]:
+    """The capabilities root inside a sandbox of ``spec`` keeps."""
+    return CAPABILITIES + (("NET_RAW",) if "NET_RAW" in spec.capabilities else ())
 # The first lines of every launch script: join the sandbox's cgroups (their
 # cgroup.procs files in SANDMAN_CGROUP_PROCS, and those that enforce nothing, joined
 # where the host allows, in SANDMAN_CGROUP_TRACK).
@@ -195,10 +201,10 @@ def view_root(state_root: Path) -> Path:
     return Path(state_root)
 
 
-def _filter_pipe() -> Optional[int]:
-    """The read end of a pipe holding the seccomp program (bwrap reads it to the end),
-    or None on a CPU the filter is not written for."""
-    code = seccomp.program()
+def _filter_pipe(spec: SandboxSpec) -> Optional[int]:
+    """The read end of a pipe holding the seccomp program for ``spec`` (bwrap reads it
+    to the end), or None on a CPU the filter is not written for."""
+    code = seccomp.program(frozenset(spec.capabilities))
     return None if code is None else pipe_holding(code)  # a few hundred bytes
 
 
@@ -342,7 +348,7 @@ class SandboxProcess(renew.Renewable):
             bwrap += ["--ro-bind", str(self.state_dir / "resolv.conf"), "/etc/resolv.conf"]
         else:
             bwrap.append("--unshare-net")
-        for cap in CAPABILITIES:
+        for cap in capabilities(self.spec):
             bwrap += ["--cap-add", "CAP_" + cap]
         if seccomp_fd is not None:
             bwrap += ["--seccomp", str(seccomp_fd)]
@@ -406,7 +412,7 @@ class SandboxProcess(renew.Renewable):
             raise
         ready_w = _high(ready_w)
         listen_fd = _high(self._listen())
-        filter_r = _filter_pipe()
+        filter_r = _filter_pipe(self.spec)
         filter_r = _high(filter_r) if filter_r is not None else None
         token_fd = _high(pipe_holding(self.token.encode()))
         self.admin_token = secrets.token_hex(16)  # the agent's, for renew

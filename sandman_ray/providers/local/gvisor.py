@@ -42,8 +42,9 @@ from typing import List
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.local.bwrap import (
-    CAPABILITIES, DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, pipe_holding)
+    DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, capabilities, pipe_holding)
 from sandman_ray.providers.network import RESOLV_CONF
+from sandman_ray.providers.syscalls import oci_seccomp
 
 # In its private mount namespace the launch puts a small tmpfs on the run directory,
 # the one directory the sandbox writes on the host's side (arguments: run dir, uid:gid).
@@ -81,7 +82,7 @@ class GvisorProcess(SandboxProcess):
     def _config(self) -> dict:
         user = self._user()
         uid, _, gid = (user or "0:0").partition(":")
-        caps = ["CAP_" + cap for cap in CAPABILITIES]
+        caps = ["CAP_" + cap for cap in capabilities(self.spec)]
         workdir = self._workdir()
         env = self._environment()
         return {
@@ -111,7 +112,9 @@ class GvisorProcess(SandboxProcess):
             # with a network, the one the chain made (runsc --network=host)
             "linux": {"namespaces": [{"type": t} for t in
                                      ("pid", "ipc", "uts", "mount") +
-                                     (() if self.spec.network else ("network",))]}}
+                                     (() if self.spec.network else ("network",))],
+                      # the policy of record in gVisor's own kernel (runsc --oci-seccomp)
+                      "seccomp": oci_seccomp(frozenset(self.spec.capabilities))}}
 
     def argv(self, *_unused) -> List[str]:
         network = "--network=host" if self.spec.network else "--network=none"
@@ -121,7 +124,7 @@ class GvisorProcess(SandboxProcess):
             "/bin/sh", "-c", _LAUNCH, "sandman-launch", str(self.state_dir / "run"),
             self._user() or "0:0",
             "runsc", "--root", str(self.state_dir / "runsc"), network,
-            "--host-uds=all", "--overlay2=root:memory", "--ignore-cgroups",
+            "--host-uds=all", "--overlay2=root:memory", "--ignore-cgroups", "--oci-seccomp",
             "--platform=" + PLATFORM, "run", "--bundle", str(self.state_dir / "oci"),
             self.container_id]
 

@@ -53,8 +53,11 @@ test: system-packages $(TEST_STAMP) $(BUILTIN)
 test-chaos: system-packages $(call STAMP,test) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_chaos.py
 
+# the isolation section measures this commit's levels beside those of BENCH_AGAINST (the
+# last commit before the system call policy and the interface filter), in turns
+BENCH_AGAINST ?= dd77782
 bench: system-packages $(call STAMP,bench) $(BUILTIN)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py --isolation-against $(BENCH_AGAINST)
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -47,12 +47,14 @@ On a local Ray with the LocalProvider:
          files intact, beside 8 fresh sandboxes that copy the files in (bench/forks.py).
   cost   memory (PSS) per idle sandbox and per handle host actor; CPU per create.
   isolation  what each isolation level costs, one after the other in this run
-         (``bench/local.py``'s measure): create -> first exec (one at a time) and
+         (``bench/isolation.py``): create -> first exec (one at a time) and
          ``exec true`` through the daemon client, for the LocalProvider with root inside
          as host root and no network namespace (how sandboxes ran before user
          namespaces: the figures of before), with a user namespace (the default), with a
          network namespace too (``network=True``), under gVisor, and Podman with runc
-         (a user namespace per container), with the ratios to the figures of before.
+         (a user namespace per container), with the ratios to the figures of before;
+         with ``--isolation-against REF`` (make bench: the commit before the system
+         call policy), REF's code measured in turns beside this checkout's.
 """
 
 import argparse
@@ -87,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import forks  # noqa: E402  (bench/forks.py)
 import progress  # noqa: E402  (bench/progress.py)
 import minimal_daemon  # noqa: E402
-import local  # noqa: E402  (bench/local.py)
+import isolation  # noqa: E402  (bench/isolation.py)
 from local import create_and_exec, pss_kb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -790,7 +792,7 @@ def table(results: dict, args) -> List[tuple]:
             rows.append(("stream", "daemon RSS growth while the reader stops, %s" % name,
                          "%.1f MB" % grown, "target < 32 MB"))
     if "isolation" in results:
-        rows += _isolation_rows(results["isolation"])
+        rows += isolation.rows(results["isolation"])
     if "cost" in results:
         c = results["cost"]
         rows.append(("cost", "PSS per idle sandbox (daemon + bwrap)",
@@ -799,93 +801,6 @@ def table(results: dict, args) -> List[tuple]:
                      "%.1f MB" % c["pss_mb_per_handle_host"], ""))
         rows.append(("cost", "CPU per create (whole machine, idle subtracted)",
                      "%.1f ms" % c["cpu_ms_per_create"], ""))
-    return rows
-
-
-# ------------------------------------------------------------------ isolation
-ISOLATION = (("local-host-root", "LocalProvider, root inside is host root (before)"),
-             ("local", "LocalProvider, user namespace (default)"),
-             ("local-network", "LocalProvider, user and network namespace"),
-             ("local-gvisor", "LocalProvider under gVisor"),
-             ("docker", "DockerProvider, Podman with runc, user namespace"))
-
-
-def isolation(creates: int, execs: int = 300, rounds_of: int = 20) -> dict:
-    """Every level set up at once, then measured in interleaved rounds (one create of
-    each level in turn, then ``rounds_of`` execs of each in turn), so a slow stretch of
-    the machine falls on every level alike."""
-    args = argparse.Namespace(image=None, docker_image=None)
-    setups, teardowns = [], []
-    try:
-        for name, _ in ISOLATION:
-            provider, spec, _, teardown = local.SETUPS[name](args)
-            setups.append((name, provider, spec))
-            teardowns.append(teardown)
-        return asyncio.run(_isolation(setups, creates, execs, rounds_of))
-    finally:
-        for teardown in teardowns:
-            if teardown:
-                teardown()
-
-
-async def _isolation(setups, creates: int, execs: int, rounds_of: int) -> dict:
-    try:
-        return await _isolation_rounds(setups, creates, execs, rounds_of)
-    finally:
-        for _, provider, _ in setups:
-            await provider.shutdown()
-
-
-async def _isolation_rounds(setups, creates: int, execs: int, rounds_of: int) -> dict:
-    made = {name: [] for name, _, _ in setups}
-    ran = {name: [] for name, _, _ in setups}
-    for name, provider, spec in setups:  # warm: agent, bundle, image cache
-        sandbox_id, _, _ = await create_and_exec(provider, spec)
-        await provider.delete(sandbox_id)
-    for _ in range(creates):
-        for name, provider, spec in setups:
-            sandbox_id, _, elapsed = await create_and_exec(provider, spec)
-            made[name].append(elapsed)
-            await provider.delete(sandbox_id)
-    held = {}
-    for name, provider, spec in setups:
-        sandbox_id, info, _ = await create_and_exec(provider, spec)
-        held[name] = (provider, sandbox_id,
-                      await AsyncDaemonClient.connect(info.address, info.token))
-    for _ in range(max(1, execs // rounds_of)):
-        for name, (_, _, client) in held.items():
-            for _ in range(rounds_of):
-                started = time.perf_counter()
-                await client.exec("true")
-                ran[name].append(time.perf_counter() - started)
-    for provider, sandbox_id, client in held.values():
-        client.close()
-        await provider.delete(sandbox_id)
-    out = {name: {"create_p50_ms": pct(made[name], 0.5) * 1e3,
-                  "create_p99_ms": pct(made[name], 0.99) * 1e3,
-                  "exec_true_p50_ms": pct(ran[name], 0.5) * 1e3,
-                  "exec_true_p99_ms": pct(ran[name], 0.99) * 1e3,
-                  "creates": len(made[name]), "execs": len(ran[name])} for name in made}
-    before = out["local-host-root"]
-    out["ratios"] = {name: {"create": out[name]["create_p50_ms"] / before["create_p50_ms"],
-                            "exec_true": out[name]["exec_true_p50_ms"]
-                            / before["exec_true_p50_ms"]}
-                     for name in made if name != "local-host-root"}
-    return out
-
-
-def _isolation_rows(iso: dict) -> List[tuple]:
-    rows = []
-    for name, label in ISOLATION:
-        row = iso[name]
-        rows.append(("isol", "%s: create -> first exec" % label,
-                     "%.1f ms" % row["create_p50_ms"], "p99 %.1f ms" % row["create_p99_ms"]))
-        rows.append(("isol", "%s: exec true" % label, "%.2f ms" % row["exec_true_p50_ms"],
-                     "p99 %.2f ms" % row["exec_true_p99_ms"]))
-    for name in ("local", "local-network"):
-        r = iso["ratios"][name]
-        rows.append(("isol", "%s / before: create, exec true (p50)" % name,
-                     "%.2fx, %.2fx" % (r["create"], r["exec_true"]), "target <= 1.10x"))
     return rows
 
 
@@ -946,6 +861,20 @@ def _burst_rows(b: dict, args) -> List[tuple]:
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "stream")
 
 
+def isolation_section(args) -> dict:
+    """The isolation levels; with ``--isolation-against REF``, REF's beside in turns
+    (three each, a third of the creates per turn), the figures of this checkout's last
+    turn in the table and every turn under ``against``."""
+    if not args.isolation_against:
+        return isolation.isolation(args.creates)
+    per_turn = max(1, args.creates // 3)
+    result = isolation.against(args.isolation_against, per_turn, 3,
+                               lambda: isolation.isolation(per_turn))
+    if "turns" not in result:
+        return dict(isolation.isolation(args.creates), against=result)
+    return dict(result["turns"]["this"][-1], against=result)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="burst size")
@@ -960,6 +889,9 @@ def main(argv=None) -> int:
                         default=",".join(SECTIONS))
     parser.add_argument("--creates", type=int, default=30,
                         help="isolation: creates one at a time per level")
+    parser.add_argument("--isolation-against", default=None, metavar="REF",
+                        help="isolation: measure commit REF's levels too, in turns "
+                             "(bench/isolation.py)")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     unknown = sorted(sections - set(SECTIONS))
@@ -975,7 +907,7 @@ def main(argv=None) -> int:
             "reuse": lambda: reuse(args.episodes, args.k, image),
             "fork": forks.fork_vs_fresh,
             "cost": lambda: cost(image),
-            "isolation": lambda: isolation(args.creates),
+            "isolation": lambda: isolation_section(args),
             "stream": lambda: stream(image)}
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:

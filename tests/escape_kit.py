@@ -119,3 +119,29 @@ def daemon_pid(sb) -> int:
         return engine.api.inspect_container(sb.info.details["container"])["State"]["Pid"]
     from sandbox_pids import daemon_under
     return daemon_under(sb.info.details["pid"])
+
+
+@pytest.fixture(scope="module")
+def listener():
+    """A TCP server on every address of this host (loopback and the node's own, where
+    Ray's GCS listens too): what a sandbox with network must not reach."""
+    import socket
+    import threading
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen(64)
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, peer = server.accept()
+            except OSError:
+                return
+            accepted.append(peer)
+            conn.sendall(b"host secret\n")
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1], accepted
+    server.close()

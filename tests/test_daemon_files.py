@@ -112,3 +112,64 @@ def test_archive_members_may_not_escape_the_target(client, tmp_path, name, kind,
         client.put_archive(str(tmp_path / "target"), _tar([(info, data)]))
     assert err.value.type == "UnsafeArchive"
     assert not (tmp_path / "escape.txt").exists()
+
+
+def _answers_meanwhile(daemon, call):
+    """Run ``call`` on a thread while another connection's ``exec true`` is timed: the
+    call's outcome (result or exception) and the slowest exec."""
+    import threading
+    import time
+    outcome, slowest = {}, [0.0]
+
+    def run():
+        try:
+            outcome["result"] = call()
+        except Exception as exc:  # the outcome under test
+            outcome["error"] = exc
+    thread = threading.Thread(target=run)
+    with daemon.client() as other:
+        thread.start()
+        while thread.is_alive():
+            started = time.perf_counter()
+            assert other.exec("true").exit_code == 0
+            slowest[0] = max(slowest[0], time.perf_counter() - started)
+        thread.join()
+    return outcome, slowest[0]
+
+
+@pytest.mark.parametrize("what", ["read_file", "append", "put_archive"])
+def test_a_fifo_or_a_device_is_refused_not_waited_on(daemon, client, tmp_path, what):
+    """A FIFO (no one at its other end) held the daemon's only thread: an exec with
+    timeout=1 went unanswered for 9 s. Now a FIFO or a device is opened without
+    blocking and refused at once, naming what it is, and other calls are answered
+    meanwhile in milliseconds."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("fifo")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    calls = {"read_file": lambda: client.read_file(fifo),
+             "append": lambda: client.write_file(fifo, b"x", append=True),
+             "put_archive": lambda: client.put_archive(str(tmp_path), buf.getvalue())}
+    outcome, slowest = _answers_meanwhile(daemon, calls[what])
+    error = outcome.get("error")
+    assert isinstance(error, DaemonError) and error.type == "NotARegularFile", outcome
+    assert "fifo" in error.message and slowest < 1.0
+    with pytest.raises(DaemonError, match="NotARegularFile: /dev/zero is a char"):
+        client.read_file("/dev/zero")
+
+
+def test_a_sparse_file_of_ten_gigabytes_gets_a_bounded_answer(daemon, client, tmp_path):
+    """Read whole, it is refused at its first chunk (more than max_bytes); read in
+    parts, each part comes back while another connection's calls are answered."""
+    from sandman_ray import ResultTooLarge
+    sparse = str(tmp_path / "sparse")
+    with open(sparse, "wb") as fh:
+        fh.truncate(10 * 2 ** 30)
+    outcome, _ = _answers_meanwhile(daemon, lambda: client.read_file(sparse))
+    assert isinstance(outcome.get("error"), ResultTooLarge), outcome
+    part = lambda: client.read_file(sparse, offset=5 * 2 ** 30, length=32 * 2 ** 20)  # noqa: E731
+    outcome, slowest = _answers_meanwhile(daemon, part)
+    assert outcome["result"] == b"\0" * (32 * 2 ** 20) and slowest < 1.0, slowest

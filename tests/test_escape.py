@@ -347,3 +347,50 @@ def test_a_file_swapped_for_a_fifo_under_the_copy_is_refused_not_waited_on(tmp_p
     finally:
         os.close(s_dir)
         os.close(d_dir)
+
+
+def test_the_snapshot_store_honours_no_setuid_bit_and_no_device(provider):
+    """A snapshot keeps its files' bits, setuid-root copies of a tenant's included: the
+    store is on a mount that honours neither setuid bits nor device nodes (the agent
+    binds it so where its filesystem is not: /dev/shm here is neither)."""
+    from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
+    flags = os.statvfs(DEFAULT_SNAPSHOT_ROOT).f_flag
+    assert flags & os.ST_NOSUID and flags & os.ST_NODEV, provider.snapshot_root
+
+
+@pytest.mark.parametrize("target", ["/etc/shadow", "../../../etc/shadow", "layer/later"])
+def test_a_snapshot_archive_may_link_only_to_its_own_files(tmp_path, target):
+    """Archives pass between the pool's own agents; one crafted all the same may not
+    make a hard link on the host to a host file, nor to a name it has not put there
+    itself (yet), and nothing of it is left."""
+    import io
+    import tarfile
+    from sandman_ray.providers.local.snapshots import SnapshotStore
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("meta.json", b"{}"), ("layer/own", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        good = tarfile.TarInfo("layer/same")
+        good.type, good.linkname = tarfile.LNKTYPE, "layer/own"
+        tar.addfile(good)
+        bad = tarfile.TarInfo("layer/stolen")
+        bad.type, bad.linkname = tarfile.LNKTYPE, target
+        tar.addfile(bad)
+        later = tarfile.TarInfo("layer/later")
+        later.size = 1
+        tar.addfile(later, io.BytesIO(b"y"))
+    store = SnapshotStore(tmp_path, "pool")
+    with pytest.raises(ValueError, match="'layer/stolen' links to .* not a file of the"):
+        store.import_tar("crafted", buf.getvalue())
+    assert not store.path("crafted").exists() and os.listdir(tmp_path / "pool") == []
+    honest = io.BytesIO()  # the same archive without the stolen link: a link of its own
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as src, \
+            tarfile.open(fileobj=honest, mode="w") as tar:
+        for member in src.getmembers():
+            if member.name != "layer/stolen":
+                tar.addfile(member, src.extractfile(member) if member.isreg() else None)
+    store.import_tar("honest", honest.getvalue())
+    layer = store.path("honest") / "layer"
+    assert os.stat(layer / "same").st_ino == os.stat(layer / "own").st_ino

@@ -45,7 +45,7 @@ GVISOR = ("local-gvisor", "docker-runsc")
 CALLS = {
     "sys_admin_mount": ["mount", "fsopen", "open_tree", "pivot_root"],
     "new_namespaces": ["unshare_user", "unshare_mount", "unshare_net", "clone_newuser",
-                       "setns"],
+                       "clone3", "setns"],
     "kernel_module": ["init_module", "finit_module", "delete_module"],
     "shocker": ["open_by_handle_at"],
     "io_uring": ["io_uring_setup", "io_uring_enter", "io_uring_register"],

@@ -144,6 +144,31 @@ def test_what_a_tenant_sets_on_the_daemon_is_not_carried_to_the_next(provider):
             assert client.exec(look).stdout.split() == first
 
 
+# What else root inside may set on PID 1 that the daemon's children inherit, and how a
+# new command sees it: CPU affinity, scheduling policy, I/O priority. (Its OOM score and
+# autogroup are /proc/1 files, which the undumpable daemon's are not the tenant's to
+# write; the daemon compares them too.)
+ATTRIBUTES = (
+    ("taskset -p 1 1", "taskset -p $$"),
+    ("chrt -i -p 0 1", "chrt -p $$"),
+    ("ionice -c 3 -p 1", "ionice -p $$"),
+)
+
+
+@pytest.mark.parametrize("attack,look", ATTRIBUTES)
+def test_no_process_attribute_of_the_daemon_carries_to_the_next_tenant(provider, attack, look):
+    """Tenant A pins PID 1 to one CPU, makes it SCHED_IDLE or idle for I/O: A's later
+    commands inherit it; tenant B's must not (the daemon compares every attribute it
+    started with, and the sandbox starts afresh). Before, B's commands ran pinned."""
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        first = sb.client.exec(["/bin/sh", "-c", look]).stdout.split()
+        done = sb.client.exec(["/bin/sh", "-c", attack])
+        assert done.exit_code == 0, done.stderr
+        assert sb.client.exec(["/bin/sh", "-c", look]).stdout.split() != first  # it took
+        client = _started_afresh(sb)
+        assert client.exec(["/bin/sh", "-c", look]).stdout.split()[-1:] == first[-1:]
+
+
 def test_archives_look_up_no_owner_names_in_the_tenants_files(provider):
     """A user or group lookup in the daemon would load the NSS modules the sandbox's
     own /etc/nsswitch.conf names, from its own files, into the process that outlives

@@ -118,9 +118,13 @@ def sandbox_groups(group: str):
 
 
 def kill(pids) -> None:
+    """SIGKILL each pid but this process's own (an agent's launcher thread sits in a
+    sandbox's groups while it forks the sandbox's first process)."""
+    me = os.getpid()
     for pid in pids:
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            if int(pid) != me:
+                os.kill(int(pid), signal.SIGKILL)
         except (OSError, ValueError):
             pass
 

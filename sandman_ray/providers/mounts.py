@@ -71,17 +71,42 @@ def detached_tree(path: Path, readonly: bool = False,
     return fd
 
 
+# A writable layer holds one inode per this many bytes of its size at most (ext4 makes
+# one per 16 KiB): an inode costs the kernel ~1 KiB that its size does not count.
+BYTES_PER_INODE = 8192
+MIN_INODES = 4096
+
+
+def inodes_for(size: int) -> int:
+    """The most inodes a tmpfs of ``size`` bytes may hold."""
+    return max(MIN_INODES, size // BYTES_PER_INODE)
+
+
 def detached_tmpfs(size: int, uid: int = 0, gid: int = 0, mode: int = 0o755) -> int:
-    """A new, detached, nosuid, nodev tmpfs of at most ``size`` bytes whose root
-    belongs to ``uid``:``gid``. Its pages are charged to the memory cgroup of whoever
-    writes them (the sandbox)."""
-    fs = _syscall(_FSOPEN, b"tmpfs", 1)  # FSOPEN_CLOEXEC
+    """A new, detached, nosuid, nodev tmpfs of at most ``size`` bytes and
+    ``inodes_for(size)`` inodes whose root belongs to ``uid``:``gid``. Its pages are
+    charged to the memory cgroup of whoever writes them (the sandbox)."""
+    return _detached("tmpfs", (("size", str(size)), ("nr_inodes", str(inodes_for(size))),
+                               ("mode", "%o" % mode), ("uid", str(uid)), ("gid", str(gid))),
+                     MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+
+
+def detached_devpts(max_ptys: int, gid: int) -> int:
+    """A new, detached devpts instance (nosuid, noexec) that holds at most ``max_ptys``
+    terminals: the host's are shared by every sandbox (``kernel.pty.max``). Terminals
+    made in it belong to group ``gid`` (the host id of the sandbox's tty group)."""
+    return _detached("devpts", (("ptmxmode", "0666"), ("mode", "0620"), ("gid", str(gid)),
+                                ("max", str(max_ptys))),
+                     MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
+
+
+def _detached(fstype: str, options, attrs: int) -> int:
+    fs = _syscall(_FSOPEN, fstype.encode(), 1)  # FSOPEN_CLOEXEC
     try:
-        for key, value in (("size", str(size)), ("mode", "%o" % mode), ("uid", str(uid)),
-                           ("gid", str(gid))):
+        for key, value in options:
             _syscall(_FSCONFIG, fs, _FSCONFIG_SET_STRING, key.encode(), value.encode(), 0)
         _syscall(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
-        return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)  # CLOEXEC
+        return _syscall(_FSMOUNT, fs, 1, attrs)  # FSMOUNT_CLOEXEC
     finally:
         os.close(fs)
 
@@ -106,17 +131,14 @@ def detached_overlay(lower, upper: int, work: int) -> int:
 def detached_fs(fstype: str) -> int:
     """A new, detached, nosuid, nodev, noexec instance of ``fstype`` with no options
     (``mqueue``: that of the caller's IPC namespace)."""
-    fs = _syscall(_FSOPEN, fstype.encode(), 1)
-    try:
-        _syscall(_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
-        return _syscall(_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
-    finally:
-        os.close(fs)
+    return _detached(fstype, (), MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
 
 
-def clone_tree(path: str) -> int:
-    """A detached copy of the mount at ``path`` with every mount below it."""
-    return _syscall(_OPEN_TREE, _AT_FDCWD, str(path).encode(),
+def clone_tree(path: str, dir_fd: int = _AT_FDCWD) -> int:
+    """A detached copy of the mount at ``path`` (below ``dir_fd``, which may be a
+    detached mount: a directory of it becomes a bind of its own) with every mount below
+    it."""
+    return _syscall(_OPEN_TREE, dir_fd, str(path).encode(),
                     _OPEN_TREE_CLONE | _AT_RECURSIVE | _CLOEXEC)
 
 
@@ -134,6 +156,38 @@ def detach(path: str) -> None:
     if _libc.umount2(str(path).encode(), _MNT_DETACH) < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(path))
+
+
+_MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 0x2, 0x4, 0x20, 0x1000
+
+
+def ensure_nosuid_nodev(path: Path) -> bool:
+    """Make ``path`` a mount that honours no setuid bit and no device node: a bind of
+    itself, remounted nosuid,nodev, in this (the host's) mount namespace, unless the
+    filesystem it is on is mounted so already. Whether a mount was made. It stays (one
+    per root, made by the first agent that needs it; the next finds it)."""
+    import fcntl
+    global _libc
+    flags = os.statvfs(path).f_flag
+    if flags & os.ST_NOSUID and flags & os.ST_NODEV:
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    where = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(where, fcntl.LOCK_EX)  # one agent at a time: one mount, not two
+        flags = os.statvfs(path).f_flag
+        if flags & os.ST_NOSUID and flags & os.ST_NODEV:
+            return False
+        target = str(path).encode()
+        for source, mount_flags in ((target, _MS_BIND),
+                                    (None, _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _MS_NODEV)):
+            if _libc.mount(source, target, None, mount_flags, None) < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(path))
+        return True
+    finally:
+        os.close(where)
 
 
 def fstab_path(path) -> str:

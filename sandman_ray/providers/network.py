@@ -134,7 +134,8 @@ def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = (),
     connections it accepted may go back (in the egress chain, which has no connection
     tracking: a segment from that port that is not a bare SYN; a sandbox cannot open
     a connection from it); ``devices``: the namespace's interfaces. Each table holds
-    the set ``refused`` (and ``allowed``, what ``allow`` opens)."""
+    the set ``refused`` (and ``allowed``, what ``allow`` opens); the refusing rules
+    count what they refused (``nft list ruleset`` in the namespace)."""
     sets = ["  set refused { type ipv4_addr; flags interval; elements = { %s } }"
             % ", ".join(refused(neighbours))]
     if allow:
@@ -148,8 +149,8 @@ def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = (),
         out.append("    tcp sport %d ct state established accept" % serves)
     if allow:
         out.append("    ip daddr @allowed accept")
-    out += ["    ip daddr @refused meta l4proto tcp reject with tcp reset",
-            "    ip daddr @refused reject", "  }", "}"]
+    out += ["    ip daddr @refused meta l4proto tcp counter reject with tcp reset",
+            "    ip daddr @refused counter reject", "  }", "}"]
     if devices:
         out += ["table netdev sandman {"] + sets + [
             "  chain egress {",
@@ -160,7 +161,7 @@ def ruleset(allow: Sequence[str] = (), neighbours: Sequence[str] = (),
             out.append("    tcp sport %d tcp flags & (syn | ack) != syn accept" % serves)
         if allow:
             out.append("    ip daddr @allowed accept")
-        out += ["    ip daddr @refused drop", "    accept", "  }", "}"]
+        out += ["    ip daddr @refused counter drop", "    accept", "  }", "}"]
     return "\n".join(out) + "\n"
 
 

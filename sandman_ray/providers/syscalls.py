@@ -206,12 +206,15 @@ def _errno(code: int, names, *args) -> dict:
     return _rule(names, "SCMP_ACT_ERRNO", code, args)
 
 
-def _namespace_rules() -> list:
+def _namespace_rules(gvisor: bool = False) -> list:
     """clone and unshare refused with any namespace flag (one rule per flag: a rule
-    compares each argument once)."""
+    compares each argument once), and clone3 answering ENOSYS so that the C library
+    falls back to clone. Not under gVisor: its OCI seccomp answers every refusal EPERM,
+    after which the C library would not fall back (no thread could start), and its
+    kernel answers clone3 ENOSYS itself."""
     bits = [1 << i for i in range(32) if NAMESPACE_FLAGS & (1 << i)]
     return [_errno(errno.EPERM, ("clone", "unshare"), _arg(0, bit, "SCMP_CMP_MASKED_EQ", bit))
-            for bit in bits] + [_errno(errno.ENOSYS, ("clone3",))]
+            for bit in bits] + ([] if gvisor else [_errno(errno.ENOSYS, ("clone3",))])
 
 
 def _socket_families(capabilities: FrozenSet[str]) -> Tuple[int, ...]:
@@ -223,17 +226,17 @@ def oci_seccomp(capabilities: FrozenSet[str] = frozenset()) -> dict:
     """An OCI runtime spec's ``linux.seccomp``: the refusals over a default of ALLOW
     (what gVisor's ``--oci-seccomp`` loads into its own kernel)."""
     return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"],
-            "syscalls": oci_rules(capabilities)}
+            "syscalls": oci_rules(capabilities, gvisor=True)}
 
 
-def oci_rules(capabilities: FrozenSet[str] = frozenset()) -> list:
+def oci_rules(capabilities: FrozenSet[str] = frozenset(), gvisor: bool = False) -> list:
     """The refusals as seccomp rules that each refuse (none allows)."""
     refused_calls: Dict[int, list] = {}
     for refusal in REFUSALS:
         if refusal.unless is None or refusal.unless not in capabilities:
             refused_calls.setdefault(refusal.errno, []).extend(refusal.calls)
     rules = [_errno(code, names) for code, names in sorted(refused_calls.items())]
-    rules += _namespace_rules()
+    rules += _namespace_rules(gvisor)
     families = _socket_families(capabilities)
     rules += [_errno(errno.EAFNOSUPPORT, ("socket", "socketpair"), _arg(0, family))
               for family in range(AF_MAX) if family not in families]
@@ -254,17 +257,20 @@ def oci_rules(capabilities: FrozenSet[str] = frozenset()) -> list:
     return rules
 
 
-def docker_profile(base: dict, capabilities: FrozenSet[str] = frozenset()) -> dict:
+def docker_profile(base: dict, capabilities: FrozenSet[str] = frozenset(),
+                   gvisor: bool = False) -> dict:
     """A Docker or Podman seccomp profile: ``base`` (the engine's own default, an
     allowlist) with every refusal of this table added: each refused call taken out of
     the base's allow rules and refused with its errno, namespace flags refused on
     clone and unshare, clone3 answering ENOSYS, and sockets held to the families,
     types and protocols of the table (what matches no allow rule gets the base's
-    default errno)."""
+    default errno). ``gvisor``: for runsc, which answers clone3 itself (see
+    ``_namespace_rules``)."""
     refused_calls = {name for refusal in REFUSALS
                      if refusal.unless is None or refusal.unless not in capabilities
                      for name in refusal.calls}
-    taken = refused_calls | {"socket", "socketpair", "clone", "clone3", "unshare"}
+    taken = refused_calls | {"socket", "socketpair", "clone", "unshare"} | \
+        (set() if gvisor else {"clone3"})
     rules = []
     for rule in base.get("syscalls", []):  # the base's rules for these give way to ours
         names = [n for n in rule["names"] if n not in taken]
@@ -278,7 +284,7 @@ def docker_profile(base: dict, capabilities: FrozenSet[str] = frozenset()) -> di
     bits = NAMESPACE_FLAGS
     rules.append(_rule(("clone", "unshare"), "SCMP_ACT_ALLOW", None,
                        [_arg(0, bits, "SCMP_CMP_MASKED_EQ", 0)]))
-    rules += _namespace_rules()
+    rules += _namespace_rules(gvisor)
     families = _socket_families(capabilities)
     rules.append(_rule(("socket", "socketpair"), "SCMP_ACT_ALLOW", None, [_arg(0, AF_UNIX)]))
     for family in (AF_INET, AF_INET6):

@@ -34,6 +34,7 @@ from sandman_ray.providers.mounts import detached_tree
 # /etc/subuid hands out (100000 and up); 16384 ranges of 65536.
 FIRST_ID = 1 << 30
 RANGE_SIZE = 65536
+HELD = b"held"  # what a range's lock file says while an agent holds it
 RANGES = 16384
 
 class IdRange:
@@ -63,6 +64,26 @@ class IdRange:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def range_processes(bases) -> List[int]:
+    """Pids of live processes whose uid lies in one of the ranges that start at
+    ``bases`` (from the owner of /proc/<pid>, which is the process's uid, or the root
+    of its user namespace for one that is not dumpable: the daemon's)."""
+    bases = sorted(bases)
+    if not bases:
+        return []
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            uid = os.stat("/proc/" + name).st_uid
+        except OSError:
+            continue
+        if uid >= FIRST_ID and any(base <= uid < base + RANGE_SIZE for base in bases):
+            found.append(int(name))
+    return found
 
 
 def make_userns(base: int) -> int:
@@ -102,6 +123,7 @@ class Ranges:
         self.lock = threading.Lock()
         self.free: List[IdRange] = []
         self.lent: Dict[str, IdRange] = {}  # sandbox id -> its range
+        self.tainted: List[IdRange] = []  # held, never lent again (give_back)
         # where the next claim starts looking: past the ranges this agent claimed, so a
         # burst of N new ranges tries ~N lock files rather than ~N^2/2
         self.cursor = 0
@@ -123,11 +145,31 @@ class Ranges:
             self.lent[sandbox_id] = ids
         return ids
 
-    def give_back(self, sandbox_id: str) -> None:
+    def give_back(self, sandbox_id: str, emptied: bool = True) -> None:
+        """The sandbox's range, for the next; a range whose sandbox may still have a
+        process (``emptied`` false: its cgroup did not empty) is never lent again, and
+        stays locked while this agent lives (its shutdown kills what is left of it)."""
         with self.lock:
             ids = self.lent.pop(sandbox_id, None)
             if ids is not None:
-                self.free.append(ids)
+                (self.free if emptied else self.tainted).append(ids)
+
+    def kill_leftovers(self, timeout_s: float = 5.0) -> List[int]:
+        """SIGKILL every process whose uid lies in a range this agent holds, until none
+        is left or ``timeout_s`` passed; the pids still alive (none, normally). Called
+        before the agent lets its ranges go (its locks die with it): a range is free
+        for another agent only once no process of it lives."""
+        import time
+        from sandman_ray.providers.janitor import kill
+        with self.lock:
+            bases = [r.base for r in self.free + self.tainted + list(self.lent.values())]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = range_processes(bases)
+            if not left or time.monotonic() > deadline:
+                return left
+            kill(left)
+            time.sleep(0.02)
 
     def _lock_next(self):
         """(index, lock fd) of a range no agent of this host holds: the first free one
@@ -147,17 +189,32 @@ class Ranges:
                 except BlockingIOError:
                     os.close(fd)
                     continue
+                # a range whose last holder did not say it left it empty (it died) is
+                # looked at: a process of it that outlived its agent keeps it from use
+                if os.pread(fd, 16, 0).startswith(HELD) and \
+                        range_processes([FIRST_ID + index * RANGE_SIZE]):
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, HELD + b" %d\n" % os.getpid(), 0)
                 self.cursor = (index + 1) % RANGES
                 return index, fd
         finally:
             os.close(where)
         raise OSError(errno.ENOSPC, "all %d uid ranges of this host are in use" % RANGES)
 
-    def close(self) -> None:
+    def close(self, emptied: bool = False) -> None:
+        """Let the ranges go; ``emptied``: no process of any of them lives
+        (kill_leftovers said so), which their lock files then say for the next holder."""
         with self.lock:
-            for ids in self.free + list(self.lent.values()):
+            for ids in self.free + self.tainted + list(self.lent.values()):
+                if emptied:
+                    try:
+                        os.ftruncate(ids.lock_fd, 0)
+                    except OSError:
+                        pass
                 ids.close()
-            self.free, self.lent = [], {}
+            self.free, self.lent, self.tainted = [], {}, []
 
 
 def supported() -> Optional[str]:

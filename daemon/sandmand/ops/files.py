@@ -24,9 +24,13 @@ class FileOps:
         if offset < 0 or length < 0:
             raise bad_request("offset and length must not be negative")
         length = min(length, MAX_READ)
-        if length <= INLINE_READ:
-            return _read_part(path, offset, length)
-        return await self.loop.run_in_executor(None, _read_part, path, offset, length)
+        fh = open_regular(path, "rb")
+        try:
+            if min(length, os.fstat(fh.fileno()).st_size - offset) <= INLINE_READ:
+                return _read_part(fh, offset, length)
+            return await self.loop.run_in_executor(None, _read_part, fh, offset, length)
+        finally:
+            fh.close()
 
     def op_write_file(self, req):
         path = path_field(req)
@@ -166,11 +170,10 @@ _OPEN_FLAGS = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
 
 
-def _read_part(path, offset, length):
-    with open_regular(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        fh.seek(offset)
-        data = fh.read(length)
+def _read_part(fh, offset, length):
+    size = os.fstat(fh.fileno()).st_size
+    fh.seek(offset)
+    data = fh.read(length)
     return {"data": data, "size": size, "eof": offset + len(data) >= size}
 
 

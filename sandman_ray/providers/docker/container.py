@@ -42,10 +42,12 @@ class ContainerSpecs:
         """The ``seccomp=`` value for ``spec``: a profile file of this agent's (Podman
         reads a path, on its own host), or the profile itself (Docker reads the JSON)."""
         caps = frozenset(spec.capabilities)
-        profile = docker_profile(_base_profile(), caps)
+        gvisor = self.runtime == "runsc"
+        profile = docker_profile(_base_profile(), caps, gvisor=gvisor)
         if not self.facts.podman:
             return json.dumps(profile, separators=(",", ":"))
-        path = self.state / ("seccomp-%s.json" % ("-".join(sorted(caps)) or "default"))
+        path = self.state / ("seccomp-%s%s.json" % ("-".join(sorted(caps)) or "default",
+                                                   "-runsc" if gvisor else ""))
         if not path.exists():
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(profile))

@@ -17,6 +17,7 @@ import ray
 from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
 from sandman_ray.providers.base import (
     SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
+from sandman_ray.providers.mounts import ensure_nosuid_nodev
 from sandman_ray.providers.network import node_routes, ray_node_addresses
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
@@ -60,9 +61,14 @@ class NodeAgent:
         self.janitor = self._start_janitor()
         self.bundle = ensure_bundle(cache / "bundle")
         from sandman_ray.providers.local.snapshots import SnapshotStore
-        # this node's own store: nodes that share a machine share none
-        snapshots = secure_root((Path(snapshot_root) if snapshot_root else
-                                 self.state_root / ".snapshots") / node_id[:16])
+        # this node's own store: nodes that share a machine share none; on a mount
+        # that honours no setuid bit (a snapshot keeps its files' bits: setuid-root
+        # copies of the tenant's, which only forks, nosuid too, should ever run)
+        store_root = secure_root(Path(snapshot_root) if snapshot_root else
+                                 self.state_root / ".snapshots")
+        if os.geteuid() == 0:
+            ensure_nosuid_nodev(store_root)
+        snapshots = secure_root(store_root / node_id[:16])
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
                                  snapshots_root=snapshots)
         self.snapshot_store = SnapshotStore(snapshots, pool)
@@ -102,6 +108,7 @@ class NodeAgent:
         self.launchers = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="sandman-launch")
         self.renewing = None  # a NamespaceThread, made on the first renew
         self.closed = False  # shut down: no sandbox may start or stay
+        self.budget_watch = None  # budgets.watch, started with the first sandbox
 
     def _remove_leftovers(self) -> None:
         """What a dead agent of this pool and node left: its sandboxes died with it,
@@ -133,6 +140,7 @@ class NodeAgent:
     async def _create(self, sandbox_id, spec, labels) -> SandboxInfo:
         from sandman_ray.providers.local.bwrap import SandboxProcess
         from sandman_ray.providers.local.gvisor import GvisorProcess
+        self._watch_budgets()
         loop = asyncio.get_running_loop()
         try:
             image = await loop.run_in_executor(None, self.images.prepare, spec.image)
@@ -181,6 +189,17 @@ class NodeAgent:
             raise
         return self._info(sandbox_id)
 
+    def _watch_budgets(self) -> None:
+        """Under cgroup v1, hold the sandboxes' socket buffers to their memory limits
+        (budgets.py), from the first sandbox on."""
+        from sandman_ray.providers.local import budgets
+        if self.budget_watch is not None or self.unprivileged:
+            return
+        parent = budgets.v1_parent(self.cgroup_parent)
+        if parent is not None:
+            self.budget_watch = asyncio.ensure_future(
+                budgets.watch(parent, lambda: self.sandboxes, lambda: self.closed))
+
     async def _launch(self, sandbox) -> None:
         """Start ``sandbox``'s chain on a launcher thread (which lives as long as this
         actor, as its bwrap must not outlive it)."""
@@ -216,8 +235,11 @@ class NodeAgent:
 
     async def _remove(self, sandbox) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sandbox.remove)
+        if not sandbox.emptied:
+            logger.error("pool %s: sandbox %s: a process of it outlived every kill; its uid "
+                         "range is not lent again", self.pool, sandbox.sandbox_id)
         if self.ranges is not None:
-            self.ranges.give_back(sandbox.sandbox_id)
+            self.ranges.give_back(sandbox.sandbox_id, sandbox.emptied)
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """The sandbox as new, with a new token: renewed in place where it can be
@@ -399,7 +421,13 @@ class NodeAgent:
         # the pool's snapshots on this node go with it
         await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete_all)
         if self.ranges is not None:
-            self.ranges.close()
+            # the ranges' locks go with this agent: no process of theirs may outlive it
+            left = await asyncio.get_running_loop().run_in_executor(
+                None, self.ranges.kill_leftovers)
+            if left:
+                logger.error("pool %s: processes %s of this agent's uid ranges outlived "
+                             "every kill", self.pool, left)
+            self.ranges.close(emptied=not left)
         return len(ids)
 
 

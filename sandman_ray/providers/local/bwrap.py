@@ -3,13 +3,17 @@
 The process chain, per sandbox::
 
     unshare --mount --propagation private  /bin/sh -c LAUNCH          (host root)
-        join the sandbox's cgroups
+        in the sandbox's cgroups from its first instruction (the agent's thread sits
+        in them while it forks the chain: Cgroups.joined_by_this_thread; under v2 the
+        launch joins them as its first step)
         mount -a -T state_dir/fstab: attach, in this private mount namespace, the
             mounts the agent made detached (providers/mounts.py):
-            - the writable layer, a new size-limited nosuid,nodev tmpfs owned by the
-              sandbox's range, over the state root: it also holds the directories
-              below, and hides every other sandbox's state from the setup
+            - the writable layer, a new size- and inode-limited nosuid,nodev tmpfs
+              owned by the sandbox's range, over the state root: it also holds the
+              directories below (/dev/shm's among them), and hides every other
+              sandbox's state from the setup
             - the overlay (lower: the image, idmapped to the range; upper: that tmpfs)
+            - a devpts of the sandbox's own, of at most ``spec.ptys`` terminals
             - the daemon bundle (read-only)
         exec nsenter --user=RANGE'S NAMESPACE        (root inside = the range's first id)
           bwrap --bind ROOT / --ro-bind BUNDLE /.sandman
@@ -18,14 +22,17 @@ The process chain, per sandbox::
                 default set) --seccomp FD (providers/local/seccomp.py) ...
             /.sandman/bin/sandmand --listen fd:N ...                    (PID 1 inside)
 
+bwrap's arguments, the launch scripts and the mounts are ``chain.py``'s.
+
 The daemon's socket (state_dir/sock, root's, 0600) is bound and listened on by the
 agent, which hands the daemon its descriptor: no directory of the host's disk is
 writable from inside, and nothing inside can move the socket aside or stand in for it.
 
 Every mount is attached only in that private mount namespace, so it vanishes with the
 sandbox: no mount can leak, and the writable layer (a tmpfs) is gone with it. bwrap dies
-with its parent (the node agent) and takes the whole pid namespace with it, so no
-process can outlive the agent. A reset renews the sandbox in place where it can
+with its parent (the node agent) and takes the whole pid namespace with it; a kill
+(delete, reset, shutdown) then kills by cgroup until it is empty, and a range whose
+cgroup did not empty is never lent again (providers/userns.py). A reset renews the sandbox in place where it can
 (``renewable``: its root is then a read-only skeleton holding the tenant's generation,
 providers/local/renew.py), else starts the chain again: a fresh layer, a fresh daemon,
 a new token either way.
@@ -48,7 +55,6 @@ tmpfs's size.
 """
 
 import asyncio
-import fcntl
 import os
 import secrets
 import select
@@ -59,99 +65,17 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
-from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
-from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
+from sandman_ray.errors import ProviderError, SandboxLost
 from sandman_ray.images import PreparedImage
-from sandman_ray.providers.local import renew, seccomp
-from sandman_ray.providers.local.cgroups import Cgroups, rlimits
-from sandman_ray.providers.mounts import detached_tmpfs, detached_tree, fstab_path
-from sandman_ray.providers.network import DNS, RESOLV_CONF, SandboxNetwork
+from sandman_ray.providers.local import renew
+from sandman_ray.providers.local.cgroups import Cgroups
+from sandman_ray.providers.local.chain import (
+    DEFAULT_PATH, Chain, _close, _filter_pipe, _high, pipe_holding)
+from sandman_ray.providers.network import SandboxNetwork
 from sandman_ray.providers.userns import IdRange
 from sandman_ray.spec import SandboxSpec
-
-SOCKET_DIR = "/run/sandman"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Host directories a sandbox of the host's root gets fresh (or not at all).
-HOST_SKIPPED = {"proc", "dev", "sys", "tmp", "run", ".sandman", "lost+found"}
-# What root inside a sandbox may still do: the default set of container engines but
-# NET_RAW, which a spec must ask for (SandboxSpec.capabilities). Gone, among others:
-# SYS_ADMIN (mount), SYS_PTRACE, SYS_MODULE, NET_ADMIN, NET_RAW, SYS_TIME.
-CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "SETGID",
-                "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL",
-                "AUDIT_WRITE")
-
-
-def capabilities(spec: SandboxSpec) -> Tuple[str, ...]:
-    """The capabilities root inside a sandbox of ``spec`` keeps."""
-    return CAPABILITIES + (("NET_RAW",) if "NET_RAW" in spec.capabilities else ())
-# The first lines of every launch script: join the sandbox's cgroups (their
-# cgroup.procs files in SANDMAN_CGROUP_PROCS, and those that enforce nothing, joined
-# where the host allows, in SANDMAN_CGROUP_TRACK).
-JOIN_CGROUPS = r"""
-for procs in $SANDMAN_CGROUP_PROCS; do echo $$ > "$procs" || exit 97; done
-for procs in $SANDMAN_CGROUP_TRACK; do echo $$ 2>/dev/null > "$procs"; done
-"""
-_LAUNCH = JOIN_CGROUPS + r"""[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
-exec 6<"$3"
-mount -c -a -T "$1" || exit 98
-exec </dev/null 6<&-
-userns=$2
-shift 3
-[ -z "$userns" ] || exec nsenter --user="$userns" "$@"
-exec "$@"
-"""
-# The chain of an agent that is not root: in a user namespace of its uid alone, the
-# launch mounts what the agent cannot make detached (arguments: fstab, state dir,
-# bundle, view root, tmpfs size, mode of upper, the image's rootfs or "", the DNS
-# server). Bundle, fstab and rootfs are opened before the tmpfs covers the view root,
-# which may hold them.
-_LAUNCH_ONE_UID = r"""[ -z "$SANDMAN_NET_FD" ] || echo up > "/proc/self/fd/$SANDMAN_NET_FD"
-exec 6<"$3" 7<"$1"
-[ -z "$7" ] || exec 8<"$7"
-mount -c -t tmpfs -o "size=$5,mode=0755,nosuid,nodev" sandman-layer "$4" || exit 98
-mkdir -p "$2/upper" "$2/work" "$2/root" "$2/bundle" && chmod "$6" "$2/upper" || exit 98
-[ -z "$SANDMAN_NET_FD" ] || echo "nameserver $8" > "$2/resolv.conf"
-mount -c -a -T /proc/self/fd/7 || exit 98
-exec </dev/null 6<&- 7<&- 8<&-
-shift 8
-exec "$@"
-"""
-# Where a sandbox sees its memory cgroup's OOM kill count (bound read-only).
-OOM_COUNTER = "/dev/.sandman-oom"
-# A sandbox's writable layer when neither its spec nor its pool sets a disk limit.
-DEFAULT_DISK = 4 * 2 ** 30
-
-
-def _high(fd: int) -> int:
-    """``fd`` moved to 10 or above (the launch's shell has the single digits)."""
-    if fd >= 10:
-        return fd
-    try:
-        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
-    finally:
-        os.close(fd)
-
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def pipe_holding(data: bytes) -> int:
-    """The read end of a pipe holding ``data`` (at most a pipe's buffer: a token, the
-    seccomp program), its write end closed: how a secret reaches the daemon in no file,
-    no command line and no environment."""
-    read, write = os.pipe()
-    try:
-        os.write(write, data)
-    finally:
-        os.close(write)
-    return read
 
 
 def secure_root(path: Path) -> Path:
@@ -201,14 +125,7 @@ def view_root(state_root: Path) -> Path:
     return Path(state_root)
 
 
-def _filter_pipe(spec: SandboxSpec) -> Optional[int]:
-    """The read end of a pipe holding the seccomp program for ``spec`` (bwrap reads it
-    to the end), or None on a CPU the filter is not written for."""
-    code = seccomp.program(frozenset(spec.capabilities))
-    return None if code is None else pipe_holding(code)  # a few hundred bytes
-
-
-class SandboxProcess(renew.Renewable):
+class SandboxProcess(Chain, renew.Renewable):
     """A sandbox's process chain and its state directory::
 
         state_dir/sock         the daemon's socket, bound by the agent (0600, root's)
@@ -252,138 +169,12 @@ class SandboxProcess(renew.Renewable):
         # the current generation's writable layer (a detached tmpfs) and the path of
         # its upper directory in it, kept open for snapshots (providers/local/snapshots.py)
         self.writable: Optional[tuple] = None
+        self.keep: set = set()  # host pids of the chain that holds the sandbox (keepers)
+        self.emptied = True  # the last kill left no process in the sandbox's cgroups
 
     @property
     def address(self) -> str:
         return "unix:%s" % (self.state_dir / "sock")
-
-    def _environment(self) -> Dict[str, str]:
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
-        env.update(self.image.config.env_dict())
-        env.update(self.spec.env)
-        return env
-
-    def _workdir(self) -> str:
-        if self.spec.workdir:
-            return self.spec.workdir
-        if self.image.rootfs is None:
-            return "/tmp"
-        return self.image.config.workdir or "/"
-
-    def _user(self) -> Optional[str]:
-        """``uid:gid`` to run as, None for root: the spec's user, else the image's
-        (names are looked up in the image's /etc/passwd and /etc/group)."""
-        user = self.spec.user or self.image.config.user
-        if not user:
-            return None
-        name, _, group = user.partition(":")
-        uid = name if name.isdigit() else self._lookup("passwd", name, 2)
-        if group:
-            gid = group if group.isdigit() else self._lookup("group", group, 2)
-        else:
-            gid = self._lookup("passwd", name, 3) if not name.isdigit() else uid
-        return None if uid == "0" and gid == "0" else "%s:%s" % (uid, gid)
-
-    def _lookup(self, table: str, key: str, column: int) -> str:
-        """A field of the image's /etc/passwd or /etc/group; a name the image does not
-        know is an error, not a silent run as root."""
-        root = self.image.rootfs or Path("/")
-        try:
-            lines = (root / "etc" / table).read_text(errors="replace").splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            fields = line.split(":")
-            if len(fields) > column and (fields[0] == key or fields[2] == key):
-                return fields[column]
-        raise ProviderError("image %s has no %s entry for %r (user %r)"
-                            % (self.image.image, table, key, self.spec.user or
-                               self.image.config.user), "fatal")
-
-    def _root_args(self) -> List[str]:
-        if self.image.rootfs is not None:
-            return ["--bind", str(self.state_dir / "root"), "/"]
-        # host: a tmpfs root with the host's top-level directories bound read-only
-        args = ["--tmpfs", "/"]
-        for entry in sorted(os.listdir("/")):
-            path = "/" + entry
-            if entry in HOST_SKIPPED:
-                continue
-            if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
-        return args + ["--bind", str(self.state_dir / "upper"), "/tmp"]
-
-
-    def _mounts_args(self, counter) -> List[str]:
-        """bwrap's mounts: the root, the bundle, /proc and /dev (and the OOM counter
-        on /dev)."""
-        bundle = str(self.state_dir / "bundle")
-        oom = [] if counter is None else ["--ro-bind", str(counter), OOM_COUNTER]
-        # bwrap leaves /proc/sys writable for a root without its own user namespace; in
-        # every mode it is the host's, read-only
-        common = ["--ro-bind", bundle, DEFAULT_MOUNT, "--proc", "/proc",
-                  "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"] + oom
-        if not self.renewable:
-            return self._root_args() + common
-        return renew.skeleton_args(common, str(self.state_dir / "root"), bundle, DEFAULT_MOUNT,
-                                   counter and str(counter), OOM_COUNTER)
-
-    def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None,
-             token_fd: Optional[int] = None, listen_fd: Optional[int] = None,
-             admin_fd: Optional[int] = None) -> List[str]:
-        counter = self.cgroups.oom_counter() if self.cgroups else None
-        bwrap = ["bwrap"] + self._mounts_args(counter) + [
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", self.hostname, "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL"]
-        user = self._user()
-        if not user:
-            # the daemon is the sandbox's PID 1 (it reaps orphans). Not when it drops to
-            # another uid: changing credentials clears the parent-death signal, and
-            # bwrap's own init, which keeps it, must then hold the namespace.
-            bwrap.append("--as-pid-1")
-        if self.spec.network:  # the launch's namespace, filtered (providers/network.py)
-            bwrap += ["--ro-bind", str(self.state_dir / "resolv.conf"), "/etc/resolv.conf"]
-        else:
-            bwrap.append("--unshare-net")
-        for cap in capabilities(self.spec):
-            bwrap += ["--cap-add", "CAP_" + cap]
-        if seccomp_fd is not None:
-            bwrap += ["--seccomp", str(seccomp_fd)]
-        workdir = self._workdir()
-        bwrap.append("--clearenv")
-        for key, value in sorted(self._environment().items()):
-            bwrap += ["--setenv", key, value]
-        # a renewable sandbox's daemon starts in the skeleton and moves into its slot
-        bwrap += ["--chdir", "/" if self.renewable else workdir] + daemon_argv() + [
-            "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
-            "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
-            "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
-        if self.renewable:
-            bwrap += ["--root", renew.SLOTS[0], "--admin-token-fd", str(admin_fd)]
-        if counter is not None:
-            bwrap += ["--oom-counter", OOM_COUNTER]
-        if user:
-            bwrap += ["--user", user]
-        net = ["--net"] if self.spec.network else []
-        if self.unprivileged:
-            upper_mode = "1777" if self.image.rootfs is None else "0755"
-            # the rlimits inside the new user namespace: RLIMIT_NPROC set before it would
-            # also cap, at the level above, every process of the agent's uid
-            return (["unshare", "--user", "--map-root-user", "--mount"] + net +
-                    ["--propagation", "private", "/bin/sh", "-c", _LAUNCH_ONE_UID,
-                     "sandman-launch", str(self.state_dir / "fstab"), str(self.state_dir),
-                     str(self.bundle), str(self.view_root),
-                     str(self.spec.disk or DEFAULT_DISK), upper_mode,
-                     str(self.image.rootfs or ""), DNS] +
-                    rlimits(self.spec, self.applied, nproc=True) + bwrap)
-        return (rlimits(self.spec, self.applied) +
-                ["unshare", "--mount"] + net +
-                ["--propagation", "private", "/bin/sh", "-c", _LAUNCH,
-                 "sandman-launch", str(self.state_dir / "fstab"),
-                 self.ids.userns_path if self.ids else "", str(self.bundle)] + bwrap)
 
     def launch(self) -> None:
         """Start the chain (from a thread that lives as long as the sandbox should:
@@ -426,12 +217,14 @@ class SandboxProcess(renew.Renewable):
                   if fd is not None]
         lower = mounts.pop("lower", None)
         try:
-            # the lower layer is the chain's stdin until the overlay is mounted
-            self.proc = subprocess.Popen(
-                self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd), env=env,
-                stdin=subprocess.DEVNULL if lower is None else lower,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=passed + list(mounts.values()), start_new_session=True)
+            # the lower layer is the chain's stdin until the overlay is mounted; the
+            # chain is in the sandbox's cgroups from its first instruction
+            with self._joined():
+                self.proc = subprocess.Popen(
+                    self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd), env=env,
+                    stdin=subprocess.DEVNULL if lower is None else lower,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=passed + list(mounts.values()), start_new_session=True)
         except BaseException:
             os.close(ready_r)
             raise
@@ -476,60 +269,17 @@ class SandboxProcess(renew.Renewable):
             sock.close()
             raise
 
+    def _joined(self):
+        """A ``with`` block whose fork starts in the sandbox's cgroups (see
+        Cgroups.joined_by_this_thread)."""
+        import contextlib
+        return self.cgroups.joined_by_this_thread() if self.cgroups else contextlib.nullcontext()
+
     def _cgroup_env(self) -> Dict[str, str]:
         """What JOIN_CGROUPS in a launch script reads: the groups it joins."""
         groups = self.cgroups or Cgroups("")
         return {"SANDMAN_CGROUP_PROCS": " ".join(groups.procs_files(tracking=False)),
                 "SANDMAN_CGROUP_TRACK": " ".join(groups.procs_files(tracking=True))}
-
-    def _mounts(self) -> Dict[str, int]:
-        """The sandbox's mounts, made detached for the launch to attach: ``layer`` (a
-        new tmpfs holding the sandbox's directories at their paths below the view
-        root) and, for a rootfs image, ``lower`` (the rootfs, idmapped to the
-        sandbox's range when it has one). Both are descriptors of 10 or more: the
-        launch's shell uses 6 for the bundle, which it opens itself (a clone of a
-        directory of this namespace would not bind in the launch's)."""
-        if self.unprivileged:  # the launch mounts them itself, in its user namespace
-            if self.image.layers:
-                raise NotSupported("sandbox %s: a snapshot's image needs an agent that runs "
-                                   "as root (this one runs as uid %d)"
-                                   % (self.sandbox_id, os.geteuid()))
-            return {}
-        base = self.ids.base if self.ids is not None else 0
-        made: Dict[str, int] = {}
-        try:
-            made["layer"] = layer = _high(detached_tmpfs(self.disk_bytes(),
-                                                         base, base))
-            rel = self.state_dir.relative_to(self.view_root)
-            for depth in range(1, len(rel.parts) + 1):
-                os.mkdir(Path(*rel.parts[:depth]), 0o755, dir_fd=layer)
-                os.chmod(Path(*rel.parts[:depth]), 0o755, dir_fd=layer)
-            for sub in ("upper", "work", "root", "bundle"):
-                mode = 0o1777 if sub == "upper" and self.image.rootfs is None else 0o755
-                os.mkdir(rel / sub, mode, dir_fd=layer)
-                os.chmod(rel / sub, mode, dir_fd=layer)  # mkdir's mode passes the umask
-                os.chown(rel / sub, base, base, dir_fd=layer)
-            if self.spec.network:
-                conf = os.open(rel / "resolv.conf", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
-                               0o644, dir_fd=layer)
-                with os.fdopen(conf, "w") as fh:
-                    fh.write(RESOLV_CONF)
-            if self.image.rootfs is not None:
-                for index, path in enumerate(self.image.layers):  # a snapshot's, above it
-                    made["snapshot%d" % index] = self._lower(path)
-                made["lower"] = self._lower(self.image.rootfs)
-            for name in list(made):
-                made[name] = _high(made[name])
-        except BaseException:
-            _close(made.values())
-            raise
-        return made
-
-    def _lower(self, path: Path) -> int:
-        """A read-only detached mount of ``path``, idmapped to the sandbox's range when
-        it has one."""
-        return (self.ids.idmapped(path) if self.ids is not None
-                else detached_tree(path, readonly=True))
 
     def hold_writable(self, tmpfs: int, upper) -> None:
         """Keep ``tmpfs``, the current generation's writable layer, open (the old one
@@ -547,26 +297,6 @@ class SandboxProcess(renew.Renewable):
         tmpfs, upper = self.writable
         return os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                        dir_fd=tmpfs)
-
-    def _fstab(self, mounts: Dict[str, int]) -> str:
-        """What the launch attaches, in order (``mount -a -T``)."""
-        st = fstab_path(self.state_dir)
-        if self.unprivileged:  # the layer is mounted by then; the image is fd 8
-            lines = []
-            if self.image.rootfs is not None:
-                lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=/proc/self/fd/8,"
-                             "upperdir=%s/upper,workdir=%s/work 0 0" % (st, st, st))
-        else:
-            lines = ["/proc/self/fd/%d %s none bind 0 0" % (mounts["layer"],
-                                                           fstab_path(self.view_root))]
-        if "lower" in mounts:  # the launch's stdin, under the snapshots' layers if any
-            lowers = ["/proc/self/fd/%d" % mounts["snapshot%d" % i]
-                      for i in range(len(self.image.layers))] + ["/proc/self/fd/0"]
-            lines.append("overlay %s/root overlay nosuid,nodev,lowerdir=%s,"
-                         "upperdir=%s/upper,workdir=%s/work 0 0"
-                         % (st, ":".join(lowers), st, st))
-        lines.append("/proc/self/fd/6 %s/bundle none bind,ro 0 0" % st)  # the launch's
-        return "\n".join(lines) + "\n"
 
     def _take_ready_fd(self) -> int:
         """The ready pipe, owned by the caller from here on: a ``kill`` meanwhile (from
@@ -615,6 +345,7 @@ class SandboxProcess(renew.Renewable):
                 await network
             except SandboxLost as exc:
                 raise SandboxLost("%s (%s)" % (exc, self._failure())) from None
+        self._note_keepers()
         return self.address
 
     async def _network_async(self, timeout: float) -> None:
@@ -667,7 +398,30 @@ class SandboxProcess(renew.Renewable):
         if not buf.endswith(b"\n"):
             raise SandboxLost("sandbox %s: daemon did not start within %.1f s: %s"
                               % (self.sandbox_id, timeout, self._failure()))
+        self._note_keepers()
         return self.address
+
+    def _note_keepers(self) -> None:
+        """Note the host pids that hold the sandbox: the chain's (bwrap, and its init
+        where the daemon is not PID 1) down to the daemon. Noted once the daemon
+        listens, before anything of a tenant runs (later, a tenant's process could
+        bear the daemon's name); a kill for the sandbox's budgets spares them."""
+        keep, pid = {self.proc.pid}, self.proc.pid
+        for _ in range(3):  # bwrap -> (its init ->) the daemon: one child at each step
+            try:
+                found = renew.children(pid)
+                with open("/proc/%d/cmdline" % found[0], "rb") as fh:
+                    cmdline = fh.read()
+            except (OSError, IndexError):
+                break
+            pid = found[0]
+            keep.add(pid)
+            if b"sandmand" in cmdline:
+                break
+        self.keep = keep
+
+    def keepers(self) -> set:
+        return set(self.keep)
 
     def _failure(self) -> str:
         """Stop a sandbox that did not start and say what it printed."""
@@ -698,7 +452,7 @@ class SandboxProcess(renew.Renewable):
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         if self.cgroups is not None:
-            self.cgroups.kill_members()
+            self.emptied = self.cgroups.kill_members()
         if self.proc.stderr:
             self.proc.stderr.close()
         if self.ready_fd is not None:
@@ -709,10 +463,6 @@ class SandboxProcess(renew.Renewable):
         if self.net_fd is not None:
             os.close(self.net_fd)
             self.net_fd = None
-
-    def disk_bytes(self) -> int:
-        """The size of the sandbox's writable layer."""
-        return self.spec.disk or DEFAULT_DISK
 
     def remove(self) -> None:
         """Everything the sandbox left on the host: state directory and cgroups."""

@@ -1,11 +1,14 @@
 """The cgroups of LocalProvider sandboxes (v1 controllers, or the v2 hierarchy) and the
 rlimits that stand in where no cgroup can enforce a limit."""
 
+import contextlib
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from sandman_ray.errors import ProviderError
 from sandman_ray.spec import SandboxSpec
 
 CONTROLLERS = ("memory", "pids", "cpu")
@@ -66,6 +69,7 @@ class Cgroups:
                 _write(path / "memory.limit_in_bytes", value)
                 if (path / "memory.memsw.limit_in_bytes").exists():
                     _write(path / "memory.memsw.limit_in_bytes", value)
+                _limit_socket_buffers_v1(path, value)
             elif controller == "pids":
                 _write(path / "pids.max", value)
             else:
@@ -186,6 +190,12 @@ class Cgroups:
             return self.ROOT / "memory" / self.group / "memory.oom_control"
         return None
 
+    def memory_dir(self) -> Optional[Path]:
+        """The sandbox's v1 memory group, if it has one."""
+        if self.applied.get("memory") != "cgroup-v1":
+            return None
+        return self.ROOT / "memory" / self.group
+
     def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
         """Every group's cgroup.procs; only those that enforce limits (False), or only
         those that do not (True)."""
@@ -203,14 +213,54 @@ class Cgroups:
                 continue
         return sorted(pids)
 
-    def kill_members(self) -> None:
-        """SIGKILL whatever is still in the sandbox's groups. The kernel ends a pid
-        namespace with its init (the daemon, ``--as-pid-1``), and the daemon dies with
-        bwrap only through bwrap's parent-death signal: one daemon was once found alive
-        with its bwrap gone after a test run."""
-        from sandman_ray.providers.janitor import kill_listed
-        for procs in self.procs_files():
-            kill_listed(procs)
+    def kill_members(self, timeout_s: float = 5.0) -> bool:
+        """SIGKILL whatever is in the sandbox's groups, round after round (a process
+        may fork as its siblings die), until they are empty or ``timeout_s`` passed;
+        whether they are. The kernel ends a pid namespace with its init (the daemon,
+        ``--as-pid-1``), and the daemon dies with bwrap only through bwrap's
+        parent-death signal: one daemon was once found alive with its bwrap gone after
+        a test run."""
+        import time
+        from sandman_ray.providers.janitor import kill
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            members = self.members()
+            if not members:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            kill(members)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    @contextlib.contextmanager
+    def joined_by_this_thread(self):
+        """For a ``with`` block that forks the sandbox's first process: this thread
+        (v1 groups hold threads) in the sandbox's groups, so that the child starts in
+        them, before its first instruction; back in its own afterwards. Nothing under
+        v2 (a thread cannot leave its process's group) or where the host refuses: the
+        launch then joins them as its first step (JOIN_CGROUPS)."""
+        if self.unified() or not self.dirs:
+            yield
+            return
+        tid = threading.get_native_id()
+        own = _own_groups()
+        moved = []
+        try:
+            for path in self.dirs:
+                controller = path.relative_to(self.ROOT).parts[0]
+                if controller in own:
+                    _write_existing(path / "tasks", tid)
+                    moved.append(controller)
+        except OSError:
+            pass  # the launch joins what this thread could not
+        try:
+            yield
+        finally:
+            for controller in moved:
+                _write_existing(self.ROOT / controller / own[controller].lstrip("/") / "tasks",
+                                tid)
 
     def remove(self) -> None:
         """Remove the leaf groups (their processes must be gone). Blocking: agents call
@@ -223,6 +273,43 @@ class Cgroups:
                 if exc.errno != errno.EBUSY:
                     raise
         self.dirs = []
+
+
+def _limit_socket_buffers_v1(path: Path, value: int) -> None:
+    """Charge the group's socket buffers to it, up to ``value``. Under v1, TCP and UDP
+    buffer memory is not in memory.usage: without this a sandbox holds buffers of the
+    host-wide pool (net.ipv4.tcp_mem) past its limit (651 MiB with a 250 MiB limit was
+    measured), and can starve every socket of the node, Ray's too. (v2 charges them to
+    memory.max.)"""
+    tcp = path / "memory.kmem.tcp.limit_in_bytes"
+    if not tcp.exists():
+        raise ProviderError(
+            "a memory limit under cgroup v1 needs %s, which this kernel lacks (it was "
+            "built without CONFIG_MEMCG_KMEM, or cgroup.memory=nokmem is set): socket "
+            "buffers would escape the limit. Use cgroup v2, or a kernel with it" % tcp,
+            "fatal")
+    _write(tcp, value)
+
+
+def _own_groups() -> Dict[str, str]:
+    """v1 controller directory (as under Cgroups.ROOT) -> this thread's group in it."""
+    out = {}
+    with open("/proc/thread-self/cgroup") as fh:
+        for line in fh:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(","):
+                if name:
+                    out[name] = path
+    return out
+
+
+def _write_existing(path: Path, value) -> None:
+    """Write a cgroup file that must exist (a cgroup's, not one this would make)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
 
 
 def _write(path: Path, value) -> None:

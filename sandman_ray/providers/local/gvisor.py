@@ -41,8 +41,9 @@ from typing import List
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
-from sandman_ray.providers.local.bwrap import (
-    DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, SandboxProcess, _close, capabilities, pipe_holding)
+from sandman_ray.providers.local.bwrap import SandboxProcess
+from sandman_ray.providers.local.chain import (
+    DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, _close, capabilities, pipe_holding)
 from sandman_ray.providers.network import RESOLV_CONF
 from sandman_ray.providers.syscalls import oci_seccomp
 
@@ -145,9 +146,11 @@ class GvisorProcess(SandboxProcess):
             (self.state_dir / "resolv.conf").write_text(RESOLV_CONF)
         net_w = self._network_pipe(env)
         try:
-            self.proc = subprocess.Popen(self.argv(), env=env, stdin=token_r, stdout=ready_w,
-                                         stderr=subprocess.PIPE, start_new_session=True,
-                                         pass_fds=[net_w] if net_w is not None else [])
+            with self._joined():
+                self.proc = subprocess.Popen(self.argv(), env=env, stdin=token_r,
+                                             stdout=ready_w, stderr=subprocess.PIPE,
+                                             start_new_session=True,
+                                             pass_fds=[net_w] if net_w is not None else [])
         except BaseException:
             os.close(ready_r)
             raise

@@ -11,8 +11,8 @@ process it starts run in that slot (``chroot``). The first generation is bwrap's
 (``/.gens/a``); each renew makes the next in the other slot:
 
 1. made ahead of time, in no namespace (``Layer.prepare``): a detached tmpfs for the
-   writable layer, the detached overlay over the image, a detached tmpfs for
-   ``/dev/shm``;
+   writable layer, the detached overlay over the image, and a directory of that tmpfs
+   for ``/dev/shm`` (within the disk limit);
 2. the daemon's ``renew quiet``: no lease token is valid, every connection but the
    agent's is closed, every process but the daemon is killed and reaped;
 3. in the sandbox's namespaces (``swap``, from a thread of the agent that entered its
@@ -37,7 +37,7 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import List
 
 from sandman_ray.errors import SandboxLost
 from sandman_ray.providers import mounts
@@ -45,7 +45,6 @@ from sandman_ray.providers import mounts
 CLONE_FS, CLONE_NEWNS, CLONE_NEWIPC = 0x200, 0x20000, 0x08000000  # linux/sched.h
 _IPC_RMID = 0
 SLOTS = ("/.gens/a", "/.gens/b")
-SHM_SIZE = 64 * 2 ** 20  # a generation's /dev/shm, as a container engine's default
 MOUNT_POINTS = ("proc", "dev", ".sandman")  # made in each new writable layer
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -59,20 +58,17 @@ def _check(result: int) -> int:
 
 
 def skeleton_args(common: List[str], root: str, bundle: str, bundle_at: str,
-                  counter: Optional[str], counter_at: str) -> List[str]:
+                  slot_dev: List[str]) -> List[str]:
     """bwrap's mounts for a renewable sandbox: the read-only skeleton (``common``: its
-    bundle, /proc and /dev mounts, as every sandbox has them) with the first generation,
-    the overlay at ``root``, in the first slot, and its own mounts below it."""
+    bundle, /proc and /dev mounts, as every sandbox has them, without /dev/shm) with
+    the first generation, the overlay at ``root``, in the first slot, and its own
+    mounts below it (``slot_dev``: its /dev, with the generation's /dev/shm)."""
     first = SLOTS[0]
-    args = ["--tmpfs", "/", "--dir", SLOTS[1]] + common + [
-        "--remount-ro", "/dev", "--bind", root, first]
+    args = ["--tmpfs", "/", "--dir", SLOTS[1]] + common + ["--bind", root, first]
     for flag, *paths in (("--ro-bind", bundle, bundle_at), ("--proc", "/proc"),
-                         ("--ro-bind", "/proc/sys", "/proc/sys"), ("--dev", "/dev")):
+                         ("--ro-bind", "/proc/sys", "/proc/sys")):
         args += [flag] + paths[:-1] + [first + paths[-1]]
-    if counter is not None:
-        args += ["--ro-bind", counter, first + counter_at]
-    return args + ["--remount-ro", first + "/dev", "--size", str(SHM_SIZE),
-                   "--perms", "1777", "--tmpfs", first + "/dev/shm", "--remount-ro", "/"]
+    return args + slot_dev + ["--remount-ro", "/"]
 
 
 class Renewable:
@@ -166,9 +162,10 @@ class Layer:
         layer = None
         try:
             layer = mounts.detached_tmpfs(disk, base, base)
-            for sub in ("upper", "work"):
+            for sub in ("upper", "work", "shm"):
                 os.mkdir(sub, 0o755, dir_fd=layer)
                 os.chown(sub, base, base, dir_fd=layer)
+            os.chmod("shm", 0o1777, dir_fd=layer)
             for point in MOUNT_POINTS:  # where the generation's own mounts go
                 path = os.path.join("upper", point)
                 os.mkdir(path, 0o755, dir_fd=layer)
@@ -183,7 +180,7 @@ class Layer:
                 made.append(lowers[-1])
             overlay = mounts.detached_overlay(lowers, upper, work)
             try:
-                shm = mounts.detached_tmpfs(SHM_SIZE, base, base, mode=0o1777)
+                shm = mounts.clone_tree("shm", dir_fd=layer)
             except BaseException:
                 os.close(overlay)
                 raise

@@ -409,18 +409,25 @@ def _below(top: Path) -> List[Path]:
 
 def _layer_members():
     """The extraction filter of an exported snapshot: members are what a layer holds
-    (absolute link targets included: ``/usr/bin/python`` and the like resolve in the
-    sandbox's root), owners and modes as they are; a name that is absolute, climbs
-    with ``..`` or lies below a link of the archive is refused."""
-    links = set()
+    (absolute symbolic link targets included: ``/usr/bin/python`` and the like resolve
+    in the sandbox's root), owners and modes as they are; a name that is absolute,
+    climbs with ``..`` or lies below a link of the archive is refused, and so is a hard
+    link to anything but a regular file the archive itself put there before it (a hard
+    link is made on the host, where its target would be a host file)."""
+    links, files = set(), set()
 
     def check(member, path):
         parts = member.name.split("/")
         if member.name.startswith("/") or ".." in parts or any(
                 "/".join(parts[:i]) in links for i in range(1, len(parts))):
             raise ValueError("snapshot archive member %r is outside its layer" % member.name)
+        if member.islnk() and member.linkname not in files:
+            raise ValueError("snapshot archive member %r links to %r, which is not a file of "
+                             "the archive" % (member.name, member.linkname))
         if member.issym() or member.islnk():
             links.add(member.name)
+        elif member.isreg():
+            files.add(member.name)
         return member
     return check
 

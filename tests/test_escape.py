@@ -349,13 +349,24 @@ def test_a_file_swapped_for_a_fifo_under_the_copy_is_refused_not_waited_on(tmp_p
         os.close(d_dir)
 
 
-def test_the_snapshot_store_honours_no_setuid_bit_and_no_device(provider):
+def test_the_snapshot_store_honours_no_setuid_bit_and_no_device(local_provider):
     """A snapshot keeps its files' bits, setuid-root copies of a tenant's included: the
     store is on a mount that honours neither setuid bits nor device nodes (the agent
-    binds it so where its filesystem is not: /dev/shm here is neither)."""
-    from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
-    flags = os.statvfs(DEFAULT_SNAPSHOT_ROOT).f_flag
-    assert flags & os.ST_NOSUID and flags & os.ST_NODEV, provider.snapshot_root
+    binds it so where its filesystem is not, as this disk's /tmp is not)."""
+    from conftest import LOCAL_CACHE, LOCAL_STATE, run
+    from sandman_ray.providers.local import LocalProvider
+    root = tempfile.mkdtemp(prefix="sandman-store-", dir="/var/tmp")
+    assert not os.statvfs(root).f_flag & os.ST_NOSUID  # the disk honours them
+    p = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                      snapshot_root=root).bind("store-%s" % uuid.uuid4().hex[:6])
+    try:
+        with Sandbox(p, "builtin:debian"):
+            flags = os.statvfs(root).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV
+    finally:
+        run(p.shutdown())
+        subprocess.run(["umount", root])
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("target", ["/etc/shadow", "../../../etc/shadow", "layer/later"])

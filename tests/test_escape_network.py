@@ -269,6 +269,8 @@ def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=()) -> 
         for sub in ("python", "site", "repo", "pkgs/sandman_ray"):
             os.makedirs(os.path.join(mnt, sub))
         for entry in os.listdir(ROOT / "sandman_ray"):  # the package as installed maps it
+            if entry == "daemon":  # (a checkout may link it in place)
+                continue
             os.symlink(os.path.join(mnt, "repo", "sandman_ray", entry),
                        os.path.join(mnt, "pkgs", "sandman_ray", entry))
         os.symlink(os.path.join(mnt, "repo", "daemon"),

@@ -6,7 +6,7 @@ a range is let go only once none of its ids runs (providers/userns.py)."""
 
 import os
 
-from conftest import LOCAL_CACHE, LOCAL_STATE, processes_matching, unique_pool
+from conftest import LOCAL_CACHE, LOCAL_STATE, processes_matching, unique_pool, wait_until
 from sandman_ray.providers.userns import FIRST_ID
 
 ROUNDS = 20
@@ -48,3 +48,60 @@ def test_a_network_pools_shutdown_twenty_times_leaves_no_process(local_provider)
         assert range_owned() == [], round_
         assert processes_matching("%s/%s/" % (LOCAL_STATE, pool)) == [], round_
         assert processes_matching("slirp4netns") == [], round_
+
+
+def test_a_sandboxs_first_process_starts_in_its_cgroups(tmp_path):
+    """The launching thread sits in the sandbox's groups while it forks: the chain's
+    first process is in them before its first instruction (a shell that joined them
+    itself left a window in which a kill found it outside), and the thread is back in
+    its own groups after."""
+    import subprocess
+    import uuid
+    from sandman_ray.providers.local.cgroups import Cgroups
+    from sandman_ray.spec import SandboxSpec
+    groups = Cgroups("sandman-test/first-%s" % uuid.uuid4().hex[:8])
+    groups.create(SandboxSpec(pids=64, memory="64Mi"))
+    try:
+        with open("/proc/thread-self/cgroup") as fh:
+            mine = fh.read()
+        with groups.joined_by_this_thread():
+            proc = subprocess.Popen(["sleep", "30"])
+        try:
+            assert sorted(groups.members()) == [proc.pid]
+            with open("/proc/%d/cgroup" % proc.pid) as fh:
+                theirs = fh.read()
+            assert theirs.count(groups.group) == len(groups.dirs), theirs
+            with open("/proc/thread-self/cgroup") as fh:
+                assert fh.read() == mine
+        finally:
+            proc.kill()
+            proc.wait()
+        assert groups.kill_members() and groups.members() == []
+    finally:
+        groups.remove()
+
+
+def test_a_range_whose_ids_still_run_is_not_taken(tmp_path):
+    """A range whose lock file says an agent held it (the agent died) and one of whose
+    ids still runs a process is passed over: a new sandbox never gets host ids in use.
+    One whose last holder let it go empty is taken without a look."""
+    import subprocess
+    from sandman_ray.providers.userns import HELD, RANGE_SIZE, Ranges
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    (locks / "0").write_bytes(HELD + b" 1\n")  # its agent died holding it
+    survivor = subprocess.Popen(["setpriv", "--reuid", str(FIRST_ID + 5), "--regid",
+                                 str(FIRST_ID + 5), "--clear-groups", "sleep", "30"])
+    try:
+        wait_until(lambda: os.stat("/proc/%d" % survivor.pid).st_uid == FIRST_ID + 5,
+                   what="the survivor to take its uid")
+        ranges = Ranges(locks)
+        taken = ranges.take("sbx-1")
+        assert taken.base == FIRST_ID + RANGE_SIZE  # range 0 passed over, range 1 taken
+        ranges.give_back("sbx-1")
+        assert ranges.kill_leftovers() == []
+        ranges.close(emptied=True)
+        assert (locks / "1").read_bytes() == b""  # said empty for the next holder
+    finally:
+        survivor.kill()
+        survivor.wait()

@@ -121,6 +121,40 @@ def daemon_pid(sb) -> int:
     return daemon_under(sb.info.details["pid"])
 
 
+@contextlib.contextmanager
+def host_secrets():
+    """Files of host root that no other user may read, for a sandbox to try: a 0600
+    file in a 0700 directory and a 0640 file (as /etc/shadow is on Debian) in /var/tmp,
+    which a ``host`` image shows. /etc/shadow joins them only where nobody on the host
+    cannot read it (a host whose own mode opens it proves nothing of a sandbox)."""
+    import subprocess
+    tag = uuid.uuid4().hex[:6]
+    secret_dir = "/var/tmp/sandman-secret-%s" % tag
+    shadow_like = "/var/tmp/sandman-shadow-%s" % tag
+    os.mkdir(secret_dir, 0o700)
+    try:
+        for path, mode in ((os.path.join(secret_dir, "key"), 0o600), (shadow_like, 0o640)):
+            with open(path, "w") as fh:
+                fh.write("root:hunter2\n")
+            os.chmod(path, mode)
+        paths = [os.path.join(secret_dir, "key"), shadow_like]
+        probe = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
+                                "--clear-groups", "cat", "/etc/shadow"], capture_output=True)
+        assert probe.returncode != 0 or b"root:" in probe.stdout, probe  # it did run
+        if probe.returncode != 0:
+            paths.append("/etc/shadow")
+        yield paths
+    finally:
+        shutil.rmtree(secret_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shadow_like)
+
+
+def read_each(paths) -> str:
+    """The shell that reads each of ``paths`` and says its exit status."""
+    return "".join("cat %s; echo rc=$?; " % path for path in paths)
+
+
 @pytest.fixture(scope="module")
 def listener():
     """A TCP server on every address of this host (loopback and the node's own, where

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import Sandbox
 from escape_kit import IMAGES, BOXES, DOCKER_IMAGE, busybox_like, daemon_pid, sh
+from escape_kit import host_secrets, read_each
 from escape_kit import (  # noqa: F401 - fixtures: pytest finds them by name
     box, boxes, docker_box, docker_provider, engine, provider)
 
@@ -136,21 +137,15 @@ def test_device_nodes_cannot_be_made(box):
     assert "Operation not permitted" in out and "rc=0" not in out
 
 
-def test_the_host_image_shows_only_what_any_user_may_read(boxes, tmp_path_factory):
+def test_the_host_image_shows_only_what_any_user_may_read(boxes):
     """``host`` is a read-only view of this machine: root inside has no say over the
-    host's files, so /etc/shadow and a 0600 file in a 0700 directory stay closed."""
-    secret_dir = "/var/tmp/sandman-secret-%s" % uuid.uuid4().hex[:6]
-    os.mkdir(secret_dir, 0o700)
-    try:
-        with open(os.path.join(secret_dir, "key"), "w") as fh:
-            fh.write("hunter2")
-        os.chmod(os.path.join(secret_dir, "key"), 0o600)
-        out = sh(boxes["host"], "cat /etc/shadow; echo rc=$?; cat %s/key; echo rc=$?; "
-                                "ls %s; echo rc=$?" % (secret_dir, secret_dir))
-        assert "root:" not in out and "hunter2" not in out and "rc=0" not in out
-        assert out.count("Permission denied") == 3
-    finally:
-        subprocess.run(["rm", "-rf", secret_dir])
+    host's files, so a 0600 file in a 0700 directory, a 0640 file of root and
+    /etc/shadow stay closed, and the directory cannot be listed."""
+    with host_secrets() as paths:
+        out = sh(boxes["host"], read_each(paths) + "ls %s; echo rc=$?"
+                 % os.path.dirname(paths[0]))
+    assert "root:" not in out and "hunter2" not in out and "rc=0" not in out
+    assert out.count("Permission denied") == len(paths) + 1, out
 
 
 @pytest.mark.parametrize("box", ("host", "docker"), indirect=True)
@@ -369,14 +364,23 @@ def test_the_snapshot_store_honours_no_setuid_bit_and_no_device(local_provider):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("target", ["/etc/shadow", "../../../etc/shadow", "layer/later"])
+@pytest.mark.parametrize("target", ["absolute", "relative", "layer/later"])
 def test_a_snapshot_archive_may_link_only_to_its_own_files(tmp_path, target):
     """Archives pass between the pool's own agents; one crafted all the same may not
     make a hard link on the host to a host file, nor to a name it has not put there
-    itself (yet), and nothing of it is left."""
+    itself (yet), and nothing of it is left. The host file is the test's own 0600
+    file: a link that got through would also take the member's mode and time, which
+    the test sees (and no real file of the host pays for it)."""
     import io
     import tarfile
     from sandman_ray.providers.local.snapshots import SnapshotStore
+    secret = tmp_path / "host" / "secret"
+    secret.parent.mkdir()
+    secret.write_bytes(b"hunter2")
+    secret.chmod(0o600)
+    before = os.stat(secret)
+    # a hard link's name is read from the directory the archive is unpacked in
+    target = {"absolute": str(secret), "relative": "../../../host/secret"}.get(target, target)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name, data in (("meta.json", b"{}"), ("layer/own", b"x")):
@@ -392,10 +396,13 @@ def test_a_snapshot_archive_may_link_only_to_its_own_files(tmp_path, target):
         later = tarfile.TarInfo("layer/later")
         later.size = 1
         tar.addfile(later, io.BytesIO(b"y"))
-    store = SnapshotStore(tmp_path, "pool")
+    store = SnapshotStore(tmp_path / "store", "pool")
     with pytest.raises(ValueError, match="'layer/stolen' links to .* not a file of the"):
         store.import_tar("crafted", buf.getvalue())
-    assert not store.path("crafted").exists() and os.listdir(tmp_path / "pool") == []
+    assert not store.path("crafted").exists() and os.listdir(tmp_path / "store" / "pool") == []
+    after = os.stat(secret)
+    assert (after.st_mode, after.st_mtime_ns, after.st_nlink) == \
+        (before.st_mode, before.st_mtime_ns, 1)
     honest = io.BytesIO()  # the same archive without the stolen link: a link of its own
     with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as src, \
             tarfile.open(fileobj=honest, mode="w") as tar:

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import Sandbox
 from escape_kit import BOXES, DOCKER_IMAGE, DOCKER_WORK, daemon_pid, podman_with_busybox, sh
+from escape_kit import host_secrets
 from escape_kit import (  # noqa: F401 - fixtures: pytest finds them by name
     box, boxes, docker_box, docker_provider, engine, listener, provider)
 
@@ -251,12 +252,14 @@ def test_the_network_filter_refuses_the_clusters_other_nodes_too():
 NOBODY = 65534
 
 
-def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=()) -> dict:
+def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=(),
+                  secrets=()) -> dict:
     """tests/unprivileged_agent.py run as nobody, its JSON. The interpreter, the
     virtualenv's packages and the checkout stay where root put them (perhaps under a
     0700 home): a private mount namespace binds them read-only where nobody may read
     them, and nobody runs the same code from there. ``probe``: the escape probe (a
-    file nobody may read) to run with ``checks`` in a sandbox, and nothing else."""
+    file nobody may read) to run with ``checks`` in a sandbox, and nothing else;
+    ``secrets``: host files for a host-image sandbox to try to read."""
     import json
     import site
     import sys
@@ -278,11 +281,12 @@ def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=()) -> 
         script = ("mount --bind -o ro %s %s/python && mount --bind -o ro %s %s/site && "
                   "mount --bind -o ro %s %s/repo && exec setpriv --reuid %d --regid %d "
                   "--clear-groups env -i HOME=%s PATH=/usr/sbin:/usr/bin:/sbin:/bin "
-                  "SANDMAN_PROBE=%s SANDMAN_PROBE_CHECKS=%s "
+                  "SANDMAN_PROBE=%s SANDMAN_PROBE_CHECKS=%s SANDMAN_SECRETS=%s "
                   "PYTHONHOME=%s/python PYTHONPATH=%s/pkgs:%s/site:%s/repo/tests %s/python/%s "
                   "%s/repo/tests/unprivileged_agent.py %s %d %s" % (
                       base, mnt, site.getsitepackages()[0], mnt, ROOT, mnt, NOBODY, NOBODY,
-                      work, probe, shlex.quote(" ".join(checks)), mnt, mnt, mnt, mnt, mnt,
+                      work, probe, shlex.quote(" ".join(checks)),
+                      shlex.quote(" ".join(secrets)), mnt, mnt, mnt, mnt, mnt,
                       os.path.relpath(python, base), mnt, work, port, " ".join(targets)))
         done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                script], capture_output=True, text=True, timeout=600)
@@ -309,7 +313,8 @@ def test_an_agent_that_is_not_root_holds_its_sandboxes_too(listener):
     before = len(accepted)
     try:
         os.chmod("/dev/net/tun", 0o666)
-        out = run_as_nobody(work, port, node_addresses())
+        with host_secrets() as secrets:
+            out = run_as_nobody(work, port, node_addresses(), secrets=secrets)
     finally:
         os.chmod("/dev/net/tun", tun_mode)
         subprocess.run(["rm", "-rf", work])
@@ -323,7 +328,8 @@ def test_an_agent_that_is_not_root_holds_its_sandboxes_too(listener):
     assert out["forks"] == "forked\n"  # 80 other processes of the uid do not count
     assert "can't fork" in out["fork_bomb"] or "Resource temporarily" in out["fork_bomb"]
     assert out["still"] == "still answering\n"
-    assert "root:" not in out["shadow"] and "Permission denied" in out["shadow"]
+    assert "root:" not in out["shadow"] and "rc=0" not in out["shadow"]
+    assert out["shadow"].count("Permission denied") == len(secrets), out["shadow"]
     assert "rc=0" not in out["kill_host"]
     assert "network_error" not in out, out.get("network_error")
     assert "open" not in out["network"] and out["network"].count("closed") == \

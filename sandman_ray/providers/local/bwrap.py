@@ -211,7 +211,7 @@ class SandboxProcess(Chain, renew.Renewable):
         self.slot, self.renewed = 0, 0  # the first generation, bwrap's
         # The chain runs as host root until nsenter: nothing of the image's or the spec's
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
-        env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
+        env = dict(PATH=DEFAULT_PATH)
         net_w = self._network_pipe(env)
         passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w, admin_fd)
                   if fd is not None]
@@ -219,7 +219,8 @@ class SandboxProcess(Chain, renew.Renewable):
         try:
             # the lower layer is the chain's stdin until the overlay is mounted; the
             # chain is in the sandbox's cgroups from its first instruction
-            with self._joined():
+            with self._joined() as joined:
+                env.update(self._cgroup_env(joined))
                 self.proc = subprocess.Popen(
                     self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd), env=env,
                     stdin=subprocess.DEVNULL if lower is None else lower,
@@ -273,13 +274,15 @@ class SandboxProcess(Chain, renew.Renewable):
         """A ``with`` block whose fork starts in the sandbox's cgroups (see
         Cgroups.joined_by_this_thread)."""
         import contextlib
-        return self.cgroups.joined_by_this_thread() if self.cgroups else contextlib.nullcontext()
+        return (self.cgroups.joined_by_this_thread() if self.cgroups
+                else contextlib.nullcontext(set()))
 
-    def _cgroup_env(self) -> Dict[str, str]:
-        """What JOIN_CGROUPS in a launch script reads: the groups it joins."""
+    def _cgroup_env(self, joined=()) -> Dict[str, str]:
+        """What JOIN_CGROUPS in a launch script reads: the groups it joins (not those
+        the forking thread ``joined``, which the launch starts in)."""
         groups = self.cgroups or Cgroups("")
-        return {"SANDMAN_CGROUP_PROCS": " ".join(groups.procs_files(tracking=False)),
-                "SANDMAN_CGROUP_TRACK": " ".join(groups.procs_files(tracking=True))}
+        return {"SANDMAN_CGROUP_PROCS": " ".join(groups.procs_files(False, joined)),
+                "SANDMAN_CGROUP_TRACK": " ".join(groups.procs_files(True, joined))}
 
     def hold_writable(self, tmpfs: int, upper) -> None:
         """Keep ``tmpfs``, the current generation's writable layer, open (the old one

@@ -196,11 +196,11 @@ class Cgroups:
             return None
         return self.ROOT / "memory" / self.group
 
-    def procs_files(self, tracking: Optional[bool] = None) -> List[str]:
+    def procs_files(self, tracking: Optional[bool] = None, skip=()) -> List[str]:
         """Every group's cgroup.procs; only those that enforce limits (False), or only
-        those that do not (True)."""
-        return [str(d / "cgroup.procs") for d in self.dirs
-                if tracking is None or (d in self.tracking) == tracking]
+        those that do not (True); none of the groups in ``skip``."""
+        return [str(d / "cgroup.procs") for d in self.dirs if d not in skip and
+                (tracking is None or (d in self.tracking) == tracking)]
 
     def members(self) -> List[int]:
         """The pids in the sandbox's groups (each counted once)."""
@@ -238,25 +238,28 @@ class Cgroups:
     def joined_by_this_thread(self):
         """For a ``with`` block that forks the sandbox's first process: this thread
         (v1 groups hold threads) in the sandbox's groups, so that the child starts in
-        them, before its first instruction; back in its own afterwards. Nothing under
-        v2 (a thread cannot leave its process's group) or where the host refuses: the
-        launch then joins them as its first step (JOIN_CGROUPS)."""
+        them, before its first instruction; back in its own afterwards. It gives the
+        groups joined, which the launch need not join again (a v1 move costs a grace
+        period of RCU, ~5 ms here, when none ran just before). Nothing under v2 (a
+        thread cannot leave its process's group) or where the host refuses: the launch
+        then joins them as its first step (JOIN_CGROUPS)."""
         if self.unified() or not self.dirs:
-            yield
+            yield set()
             return
         tid = threading.get_native_id()
         own = _own_groups()
-        moved = []
+        moved, joined = [], set()
         try:
             for path in self.dirs:
                 controller = path.relative_to(self.ROOT).parts[0]
                 if controller in own:
                     _write_existing(path / "tasks", tid)
                     moved.append(controller)
+                    joined.add(path)
         except OSError:
             pass  # the launch joins what this thread could not
         try:
-            yield
+            yield joined
         finally:
             for controller in moved:
                 _write_existing(self.ROOT / controller / own[controller].lstrip("/") / "tasks",

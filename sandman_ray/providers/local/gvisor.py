@@ -141,12 +141,13 @@ class GvisorProcess(SandboxProcess):
         self.token = secrets.token_hex(16)  # a new credential for every start
         token_r = pipe_holding(self.token.encode())
         ready_r, ready_w = os.pipe()
-        env = dict(self._cgroup_env(), PATH=DEFAULT_PATH)
+        env = dict(PATH=DEFAULT_PATH)
         if self.spec.network:
             (self.state_dir / "resolv.conf").write_text(RESOLV_CONF)
         net_w = self._network_pipe(env)
         try:
-            with self._joined():
+            with self._joined() as joined:
+                env.update(self._cgroup_env(joined))
                 self.proc = subprocess.Popen(self.argv(), env=env, stdin=token_r,
                                              stdout=ready_w, stderr=subprocess.PIPE,
                                              start_new_session=True,

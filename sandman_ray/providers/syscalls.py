@@ -238,10 +238,8 @@ def oci_rules(capabilities: FrozenSet[str] = frozenset(), gvisor: bool = False) 
     rules = [_errno(code, names) for code, names in sorted(refused_calls.items())]
     rules += _namespace_rules(gvisor)
     families = _socket_families(capabilities)
-    rules += [_errno(errno.EAFNOSUPPORT, ("socket", "socketpair"), _arg(0, family))
-              for family in range(AF_MAX) if family not in families]
-    rules.append(_errno(errno.EAFNOSUPPORT, ("socket", "socketpair"),
-                        _arg(0, AF_MAX, "SCMP_CMP_GE")))
+    rules += [_errno(errno.EAFNOSUPPORT, ("socket", "socketpair"), match)
+              for match in _all_but(0, families, AF_MAX)]
     rules += [_errno(errno.EAFNOSUPPORT, ("socketpair",), _arg(0, family))
               for family in families if family != AF_UNIX]
     if "NET_RAW" not in capabilities:
@@ -250,11 +248,31 @@ def oci_rules(capabilities: FrozenSet[str] = frozenset(), gvisor: bool = False) 
                   for family in (AF_INET, AF_INET6)]
     for family, allowed, top in ((AF_INET, INET_PROTOCOLS, 59), (AF_INET6, INET_PROTOCOLS, 59),
                                  (AF_NETLINK, NETLINK_PROTOCOLS, NETLINK_MAX)):
-        rules += [_errno(errno.EPROTONOSUPPORT, ("socket",), _arg(0, family), _arg(2, proto))
-                  for proto in range(top) if proto not in allowed]
-        rules.append(_errno(errno.EPROTONOSUPPORT, ("socket",), _arg(0, family),
-                            _arg(2, top, "SCMP_CMP_GE")))
+        rules += [_errno(errno.EPROTONOSUPPORT, ("socket",), _arg(0, family), match)
+                  for match in _all_but(2, allowed, top)]
     return rules
+
+
+def _all_but(index: int, allowed, top: int) -> list:
+    """Comparisons of argument ``index`` that together match every value but those
+    ``allowed`` (all below ``top``): each run of refused values below ``top`` in
+    aligned blocks of a power of two (one masked comparison each), and every value from
+    ``top`` up, which also takes what has high bits set (a kernel that reads the
+    argument as an int would see a small number there). Few rules: gVisor compiles
+    each at every sandbox's start."""
+    out, value = [], 0
+    while value < top:
+        if value in allowed:
+            value += 1
+            continue
+        size = 1
+        while value % (size * 2) == 0 and value + size * 2 <= top and \
+                not any(value <= a < value + size * 2 for a in allowed):
+            size *= 2
+        out.append(_arg(index, value) if size == 1 else
+                   _arg(index, ~(size - 1) & 0xFFFFFFFFFFFFFFFF, "SCMP_CMP_MASKED_EQ", value))
+        value += size
+    return out + [_arg(index, top, "SCMP_CMP_GE")]
 
 
 def docker_profile(base: dict, capabilities: FrozenSet[str] = frozenset(),

@@ -12,7 +12,9 @@ import ray
 
 from sandman_ray.direct import Direct
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
-from sandman_ray.handle import POOL_CALL_ATTEMPTS, HandleHost, SandboxHandle
+from sandman_ray.handle import SandboxHandle
+from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
+from sandman_ray.lookup import forget_pool, get_pool, ray_session
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.reconciler import reachable
@@ -24,20 +26,17 @@ BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn 
 
 _hosts: Dict[str, object] = {}  # node id ("" for anywhere) -> this process's HandleHost
 _hosts_lock = threading.Lock()
-_pools: Dict[str, object] = {}  # pool name -> actor handle (a name lookup is a GCS call)
-_cached_for = [None]  # the Ray session the two caches above belong to
+_cached_for = [None]  # the Ray session the cache above belongs to
 
 
 def _caches_current() -> None:
-    """Forget handles and pools of an earlier Ray session of this process (after
+    """Forget handle hosts of an earlier Ray session of this process (after
     ``ray.shutdown()`` and a new ``ray.init()`` they name actors that are gone)."""
-    ctx = ray.get_runtime_context()
-    session = (ctx.gcs_address, ctx.get_node_id(), ctx.get_job_id())
+    session = ray_session()
     if _cached_for[0] != session:
         with _hosts_lock:
             if _cached_for[0] != session:
                 _hosts.clear()
-                _pools.clear()
                 _cached_for[0] = session
 
 
@@ -75,22 +74,6 @@ def _head_node() -> Optional[str]:
     return None
 
 
-def get_pool(name: str = "default", refresh: bool = False):
-    """The pool's actor handle, looked up once per process; ``refresh``: look it up
-    again (a pool shut down and created anew by another process is a new actor)."""
-    _caches_current()
-    pool = None if refresh else _pools.get(name)
-    if pool is not None:
-        return pool
-    try:
-        pool = ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
-    except ValueError:
-        raise SandmanError("no pool named %r: create it with sandman_ray.create_pool(%r)"
-                           % (name, name)) from None
-    _pools[name] = pool
-    return pool
-
-
 def shutdown_pool(name: str = "default") -> int:
     """Delete every sandbox of the pool and stop it; returns how many were deleted."""
     pool = get_pool(name)
@@ -98,7 +81,7 @@ def shutdown_pool(name: str = "default") -> int:
         return ray.get(pool.shutdown.remote())
     finally:  # also when the provider could not delete everything: the error says so
         ray.kill(pool, no_restart=True)
-        _pools.pop(name, None)
+        forget_pool(name)
 
 
 def _client_id() -> str:
@@ -132,6 +115,7 @@ class _Host:
 def _host(node_id: Optional[str]) -> _Host:
     """This process's HandleHost on ``node_id`` (anywhere for None), started once
     (without waiting for it)."""
+    _caches_current()
     key = node_id or ""
     with _hosts_lock:
         host = _hosts.get(key)
@@ -166,9 +150,12 @@ def prepare(pool: str = "default") -> None:
 
 
 def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-            client: Optional[str] = None, node: Optional[str] = None) -> SandboxHandle:
+            client: Optional[str] = None, node: Optional[str] = None,
+            auto_resume: bool = False) -> SandboxHandle:
     """Lease a sandbox and return its SandboxHandle (use it like an actor handle, with
     ``ray.get``). Raises AcquireTimeout when none is ready within ``timeout`` seconds.
+    ``auto_resume``: a call on the handle while it has the sandbox paused
+    (``handle.pause()``) resumes it first, instead of raising SandboxPaused.
 
     ``node``: where the sandbox runs. By default on this process's Ray node when one is
     ready or can be created there (a sandbox ready on another node is lent rather than
@@ -199,11 +186,13 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
             continue
         handle = _handle_for(lease, host, node, attempt, deadline)
         if handle is not None:
+            handle.auto_resume = auto_resume
             return handle
 
 
 async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-                        client: Optional[str] = None, node: Optional[str] = None) -> SandboxHandle:
+                        client: Optional[str] = None, node: Optional[str] = None,
+                        auto_resume: bool = False) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
     actor = _pool_for(pool)
     where = _placement(node)
@@ -224,11 +213,11 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
             _after_failure(host, node, pool, lease_id, exc, attempt, deadline, host_died)
             continue
         if reachable(lease, node):
-            return _handle(lease, host)
+            return _handle(lease, host, auto_resume)
         there = _host(lease.node_id)
         try:
             await there.actor.bind.remote(lease)
-            return _handle(lease, there)
+            return _handle(lease, there, auto_resume)
         except BaseException as exc:
             _after_failure(there, lease.node_id, lease.pool, lease.lease_id, exc, attempt,
                            deadline, False)
@@ -287,13 +276,16 @@ def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optio
         node, lease_id, where))
 
 
-def _handle(lease, host: _Host) -> SandboxHandle:
+def _handle(lease, host: _Host, auto_resume: bool = False) -> SandboxHandle:
     """The handle of a lease ``host`` holds; its direct calls connect from this process
     when it reaches the daemon (sandman_ray.direct)."""
     direct = Direct(lease, host.name, get_pool(lease.pool)) \
         if reachable(lease, _this_node()) else None
-    return SandboxHandle(host.actor, lease.lease_id, lease.sandbox_id, lease.node_id,
-                         lease.pool, host_name=host.name, direct=direct)
+    handle = SandboxHandle(host.actor, lease.lease_id, lease.sandbox_id, lease.node_id,
+                           lease.pool, host_name=host.name, direct=direct,
+                           auto_resume=auto_resume)
+    handle.pause_between_steps = lease.pause_between_steps
+    return handle
 
 
 def _handle_for(lease, host: _Host, node: str, attempt: int, deadline: float):
@@ -426,9 +418,9 @@ def _check_released(errors: list) -> None:
 
 @contextlib.contextmanager
 def sandbox(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-            node: Optional[str] = None):
+            node: Optional[str] = None, auto_resume: bool = False):
     """``with sandman_ray.sandbox() as sb: ray.get(sb.exec.remote("ls"))``"""
-    handle = acquire(spec, pool, timeout, node=node)
+    handle = acquire(spec, pool, timeout, node=node, auto_resume=auto_resume)
     try:
         yield handle
     finally:

@@ -58,6 +58,11 @@ class SandboxLost(SandmanError):
     """The sandbox or its daemon is gone (deleted, crashed, its node removed)."""
 
 
+class SandboxPaused(SandmanError):
+    """A call on a handle whose sandbox it paused, and whose lease does not resume it
+    on a call (``acquire(..., auto_resume=True)``): ``resume()`` it first."""
+
+
 class ResultTooLarge(SandmanError):
     """A file or archive read from a sandbox is larger than the caller's ``max_bytes``:
     refused rather than held in memory."""

@@ -150,11 +150,15 @@ def _replay_error(sb: SandboxHandle, result) -> Optional[BaseException]:
     return None
 
 
-def pause(handle: SandboxHandle) -> None:
-    """Freeze every process of the sandbox (no CPU; memory kept) until ``resume``."""
-    ray.get(_pool_of(handle).pause.remote(handle.lease_id, handle._host_name))
+def pause(handle: SandboxHandle, reclaim: bool = False) -> None:
+    """Freeze every process of the sandbox (no CPU; memory kept) until ``resume``:
+    ``handle.pause(reclaim)``."""
+    _pool_of(handle)
+    handle.pause(reclaim)
 
 
 def resume(handle: SandboxHandle) -> None:
-    """Let a paused sandbox's processes run again where they stopped."""
-    ray.get(_pool_of(handle).resume.remote(handle.lease_id, handle._host_name))
+    """Let a paused sandbox's processes run again where they stopped:
+    ``handle.resume()``."""
+    _pool_of(handle)
+    handle.resume()

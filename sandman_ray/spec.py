@@ -296,6 +296,9 @@ class PoolConfig:
         sets none (None: no limit). No sandbox can fork-bomb the node, eat its memory
         or fill its disk (Ray's logs and object spilling live there) unless its pool
         says so.
+    pause_between_steps: the integrations (verl tool, SkyRL env, mini-swe-agent
+        environment) pause a trajectory's sandbox after each step and resume it at
+        the next (``SandboxHandle.pause``): no CPU while the model thinks.
     """
 
     provider: object = None
@@ -314,6 +317,7 @@ class PoolConfig:
     default_pids: Optional[int] = 4096
     default_memory: Optional[Union[int, str]] = "4Gi"
     default_disk: Optional[Union[int, str]] = "4Gi"
+    pause_between_steps: bool = False
 
     def __post_init__(self):
         def positive(name, integer=False, optional=False):
@@ -344,6 +348,9 @@ class PoolConfig:
                              % (self.idle_timeout_s,))
         if self.reuse not in ("reset", "delete"):
             raise ValueError("PoolConfig.reuse must be 'reset' or 'delete', got %r" % (self.reuse,))
+        if not isinstance(self.pause_between_steps, bool):
+            raise ValueError("PoolConfig.pause_between_steps must be True or False, got %r"
+                             % (self.pause_between_steps,))
         warm = {}
         for spec, count in dict(self.warm).items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:

@@ -166,6 +166,51 @@ def test_tool_calls_of_a_trajectory_share_one_sandbox(pool):
     assert still_open == 0 and leased(pool) == 0
 
 
+def freezer_state(pool, sandbox_id):
+    """The sandbox's freezer state as the host's cgroup files say it (v1 freezer.state,
+    v2 cgroup.events)."""
+    import glob
+    for path in glob.glob("/sys/fs/cgroup/freezer/sandman/%s-*/%s/freezer.state"
+                          % (pool, sandbox_id)):
+        return open(path).read().strip()
+    for path in glob.glob("/sys/fs/cgroup/sandman/%s-*/%s/cgroup.events" % (pool, sandbox_id)):
+        return "FROZEN" if "frozen 1" in open(path).read() else "THAWED"
+    raise AssertionError("sandbox %s of pool %s has no freezer group" % (sandbox_id, pool))
+
+
+def test_a_trajectory_paused_between_steps_sees_what_one_never_paused_sees(cluster):
+    """PoolConfig(pause_between_steps=True): after each call the tool pauses the
+    trajectory's sandbox (frozen while the model would think), and the next call finds
+    its shell, variables, directory and background process as they were."""
+    steps = ["mkdir -p sub && cd sub && export WHO=me && echo made",
+             "sleep 300 & echo $! > pid; echo started",
+             "kill -0 $(cat pid) && echo alive; pwd; echo $WHO",
+             "ls; cat pid > /dev/null && echo read"]
+
+    async def trajectory(pool):
+        tool = SandboxTool({"pool": pool, "linger_s": 30})
+        texts, states = [], []
+        for command in steps:
+            text, _ = await tool_call(tool, "t", command)
+            sb = tool._trajectories["t"].opening.result()
+            texts.append(text)
+            states.append(freezer_state(pool, sb.sandbox))
+        await tool.close()
+        return texts, states
+
+    plain, pausing = new_pool(), new_pool(pause_between_steps=True)
+    try:
+        texts, states = asyncio.run(trajectory(plain))
+        paused_texts, paused_states = asyncio.run(trajectory(pausing))
+    finally:
+        sandman.shutdown_pool(plain)
+        sandman.shutdown_pool(pausing)
+    assert all(text.endswith("[exit code 0]") for text in texts), texts
+    assert "alive\n/tmp/work/sub\nme" in texts[2]
+    assert paused_texts == texts
+    assert states == ["THAWED"] * len(steps) and paused_states == ["FROZEN"] * len(steps)
+
+
 async def leases(pool):
     return (await sandman.get_pool(pool).status.remote())["states"]["leased"]
 

@@ -44,6 +44,6 @@ def test_every_op_has_a_client_method_taking_its_fields(client, op):
 
 
 def test_handles_forward_the_public_ops_to_client_methods():
-    from sandman_ray.handle import FORWARDED
+    from sandman_ray.host import FORWARDED
     assert set(FORWARDED) == {op.name for op in wire.OPS if op.public}
     assert set(FORWARDED) <= {op.name for op in CLIENT_OPS}

@@ -3,6 +3,7 @@ LocalProvider: forks carry files and the session's place, are independent of eac
 other and of their parent, are deleted with their pool; a paused sandbox uses no CPU
 and comes back with its processes."""
 
+import asyncio
 import json
 import os
 import time
@@ -180,6 +181,36 @@ def test_a_paused_sandbox_uses_no_cpu_and_resumes_with_its_processes(pool):
         assert sb.read_file("/root/kept") == b"memory and files stay"
 
 
+def test_a_handle_pauses_and_resumes_its_sandbox_and_may_resume_on_a_call(pool):
+    """``sb.pause()``: a call meanwhile is refused with SandboxPaused (it would wait on a
+    frozen daemon), unless the lease resumes on a call (``auto_resume``); a pause with
+    ``reclaim`` keeps the sandbox whole. The async forms do the same."""
+    with sandman.sandbox(pool=pool, timeout=120) as sb:
+        sb.run("export KEPT=yes")
+        pid = sb.spawn("sleep 300")
+        sb.pause()
+        assert sb.paused
+        with pytest.raises(sandman.SandboxPaused, match="resume"):
+            sb.exec("true")
+        with pytest.raises(sandman.SandboxPaused):
+            sb.exec.remote("true")
+        sb.resume()
+        assert sb.run("echo $KEPT").stdout == b"yes\n" and not sb.paused
+        sb.pause(reclaim=True)
+        sb.auto_resume = True
+        assert sb.exec("echo back").stdout == b"back\n" and not sb.paused
+        assert sb.proc_status(pid).running
+
+        async def paused_then_called():
+            await sb.pause_async()
+            was = sb.paused
+            out = await sb.exec_async("echo async")
+            return was, out.stdout, sb.paused
+        assert asyncio.run(paused_then_called()) == (True, b"async\n", False)
+        sb.pause()
+        assert ray.get(sb.run.remote("echo $KEPT")).stdout == b"yes\n"
+
+
 def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):
     pool = make_pool(idle_timeout_s=10)
     try:
@@ -194,6 +225,9 @@ def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):
         assert len(leased()) == 1
         # ... until its TTL (15 s) ends it; the sandbox is thawed and reset for the next
         wait_until(lambda: not leased(), timeout=30, what="the TTL to end the paused lease")
+        # the handle paused it, so it asks the pool first, which knows
+        with pytest.raises(sandman.LeaseEnded):
+            sb.resume()
         # through the host, which the pool tells at once (a direct call may still reach
         # the sandbox until its reset, milliseconds later: SECURITY.md)
         with pytest.raises(sandman.LeaseEnded):

@@ -31,6 +31,7 @@ def test_sizes_and_equality():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"reuse": "keep"}, "reuse must be 'reset' or 'delete'"),
+    ({"pause_between_steps": "yes"}, "pause_between_steps must be True or False"),
     ({"max_sandboxes": 0}, "max_sandboxes must be a positive int"),
     ({"create_rate_per_s": 0}, "create_rate_per_s must be a positive"),
     ({"warm": {"host": -1}}, "warm counts must be ints >= 0"),

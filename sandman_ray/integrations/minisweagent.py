@@ -44,6 +44,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.errors import DaemonError, SandmanError
 from sandman_ray.handle import SandboxHandle
+from sandman_ray.integrations.steps import step_done
 from sandman_ray.spec import SandboxSpec, check_pool_name
 
 try:
@@ -158,7 +159,7 @@ class SandmanEnvironment:
             ray.init()
         self.sandbox: Optional[SandboxHandle] = sandman.acquire(
             self.config.sandbox_spec, pool=self.config.pool,
-            timeout=self.config.acquire_timeout_s)
+            timeout=self.config.acquire_timeout_s, auto_resume=True)
         self.sandbox_id = self.sandbox.sandbox
         self._system_vars: Optional[Dict[str, str]] = None
         logger.info("leased sandbox %s from pool %s", self.sandbox_id, self.config.pool)
@@ -196,6 +197,7 @@ class SandmanEnvironment:
         # mini-swe-agent's own check, so that the marker and the Submitted message are
         # those of the installed version
         LocalEnvironment._check_finished(self, output)
+        step_done(self.sandbox)
         return output
 
     def get_template_vars(self, **kwargs) -> Dict[str, Any]:

@@ -61,6 +61,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, Con
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import DaemonError, SandmanError
+from sandman_ray.integrations.steps import step_done
 from sandman_ray.results import ExecResult
 from sandman_ray.spec import SandboxSpec, check_pool_name
 
@@ -143,13 +144,15 @@ class SandboxTextEnv(BaseTextEnv):
         if self.sandbox is not None or self.done:
             raise SandmanError("SandboxTextEnv.init() called twice: an env is one episode")
         self.sandbox = sandman.acquire(self.sandbox_spec, pool=self.pool,
-                                       timeout=self.acquire_timeout_s)
+                                       timeout=self.acquire_timeout_s, auto_resume=True)
         try:
             self._prepare()
+            sandbox_id = self.sandbox.sandbox_id()
+            step_done(self.sandbox)  # the model writes the first action now
         except BaseException as exc:
             self._release_after(exc)
             raise
-        return prompt, {"sandbox_id": self.sandbox.sandbox_id()}
+        return prompt, {"sandbox_id": sandbox_id}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         if self.done:
@@ -172,6 +175,7 @@ class SandboxTextEnv(BaseTextEnv):
             if self.turns >= self.max_turns:
                 metadata["submitted"] = False
                 return self._finish(metadata)
+            step_done(self.sandbox)
         except BaseException as exc:
             self._release_after(exc)
             raise

@@ -48,6 +48,7 @@ from typing import Any, Dict, Optional, Tuple
 import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
+from sandman_ray.integrations.steps import step_done_async, stepping
 from sandman_ray.spec import SandboxSpec, check_pool_name
 
 try:  # verl's own base class and types when verl is installed
@@ -188,7 +189,7 @@ class SandboxTool(BaseTool):
 
     async def _open(self, create_kwargs: Dict[str, Any]):
         sandbox = await sandman.acquire_async(self.spec, pool=self.pool,
-                                              timeout=self.acquire_timeout_s)
+                                              timeout=self.acquire_timeout_s, auto_resume=True)
         try:
             await sandbox.mkdir.remote(self.workdir)
             if create_kwargs.get("files"):
@@ -201,6 +202,7 @@ class SandboxTool(BaseTool):
                 if result.exit_code != 0:
                     raise SandmanError("setup command exited %s: %s"
                                        % (result.exit_code, result.stderr[-500:]))
+            await step_done_async(sandbox)  # the model writes the first call now
         except BaseException:
             await sandman.release_async(sandbox)
             raise
@@ -218,7 +220,8 @@ class SandboxTool(BaseTool):
                                       "parameter 'command', got %r" % (parameters,)),
                     0.0, {"error": "bad parameters"})
         started = time.perf_counter()
-        result = await sandbox.run.remote(command, timeout=self.exec_timeout_s)
+        async with stepping(sandbox):
+            result = await sandbox.run.remote(command, timeout=self.exec_timeout_s)
         text = (result.stdout + result.stderr).decode("utf-8", "replace")
         if len(text) > self.max_output_chars:
             text = text[:self.max_output_chars] + "\n[... %d more characters]" % (
@@ -238,8 +241,9 @@ class SandboxTool(BaseTool):
             raise SandmanError("SandboxTool.calc_reward needs a reward_command "
                                "(in the tool config or as an argument)")
         sandbox = await self._sandbox(instance_id, kwargs.get("agent_data"))
-        result = await sandbox.exec.remote(command, cwd=self.workdir,
-                                           timeout=self.exec_timeout_s)
+        async with stepping(sandbox):
+            result = await sandbox.exec.remote(command, cwd=self.workdir,
+                                               timeout=self.exec_timeout_s)
         return 1.0 if result.ok else 0.0
 
     async def release(self, instance_id: str, **kwargs) -> None:

@@ -78,9 +78,12 @@ class PoolActor:
         acquire's path (each argument Ray serializes costs a call ~0.3 ms here)."""
         pool = await self._started()
         if isinstance(spec, bytes):
-            request = unpack_lease_request(spec)
-            return pack_lease(await pool.lease(*request))
-        return await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id, node)
+            lease = await pool.lease(*unpack_lease_request(spec))
+        else:
+            lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
+                                     node)
+        lease.pause_between_steps = pool.config.pause_between_steps
+        return pack_lease(lease) if isinstance(spec, bytes) else lease
 
     async def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:
         return (await self._started()).cancel(lease_id, holder)
@@ -120,8 +123,8 @@ class PoolActor:
     async def set_warm(self, spec, count: int) -> dict:
         return (await self._started()).set_warm(spec, count)
 
-    async def pause(self, lease_id: str, holder: Optional[str]) -> bool:
-        return await (await self._started()).pause(lease_id, holder)
+    async def pause(self, lease_id: str, holder: Optional[str], reclaim: bool = False) -> bool:
+        return await (await self._started()).pause(lease_id, holder, reclaim)
 
     async def resume(self, lease_id: str, holder: Optional[str]) -> bool:
         return await (await self._started()).resume(lease_id, holder)

@@ -153,12 +153,16 @@ class SnapshotOps:
         return dict(warm)
 
     # ---- pauses
-    async def pause(self, lease_id: str, holder: Optional[str]) -> bool:
+    async def pause(self, lease_id: str, holder: Optional[str], reclaim: bool = False) -> bool:
         rec = self._held(lease_id, holder, "pause")
-        if not rec.paused:
-            await self.provider.pause(rec.sandbox_id)
-            rec.paused = True
-            self._event(rec, "paused")
+        if not rec.paused or reclaim:
+            if reclaim:
+                await self.provider.pause(rec.sandbox_id, reclaim=True)
+            else:
+                await self.provider.pause(rec.sandbox_id)
+            if not rec.paused:
+                rec.paused = True
+                self._event(rec, "paused")
         return True
 
     async def resume(self, lease_id: str, holder: Optional[str]) -> bool:

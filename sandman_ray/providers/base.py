@@ -205,9 +205,10 @@ class Provider(abc.ABC):
         them)."""
         return []
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
         """Stop every process of the sandbox from running, keeping its memory, until
-        ``resume``. Its daemon is paused too: the pool refuses calls meanwhile."""
+        ``resume``; with ``reclaim``, then push out what of its memory the kernel can
+        (to swap, where the node has it). Its daemon is paused too."""
         raise NotSupported("%s cannot pause sandboxes" % type(self).__name__)
 
     async def resume(self, sandbox_id: str) -> None:

@@ -316,8 +316,8 @@ class NodeAgentProvider(Provider):
         await self._on_agent(placed, "fetch_snapshot", image, self.agent(holder))
         return placed
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self._on_agent(await self._node_of(sandbox_id), "pause", sandbox_id)
+    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
+        await self._on_agent(await self._node_of(sandbox_id), "pause", sandbox_id, reclaim)
 
     async def resume(self, sandbox_id: str) -> None:
         await self._on_agent(await self._node_of(sandbox_id), "resume", sandbox_id)

@@ -478,11 +478,14 @@ class DockerAgent(ContainerSpecs):
         await self._engine("delete snapshot %r of pool %s" % (name, self.pool),
                            remove_snapshot_image, self.engine, reference)
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
         """Freeze every process of the sandbox, its daemon too, keeping their memory
         (the engine's pause: the container's cgroup frozen). A paused sandbox stays
-        paused."""
+        paused. ``reclaim`` is refused: the engine's API has no word for it."""
         what = "pause sandbox %s" % sandbox_id
+        if reclaim:
+            raise NotSupported("%s with reclaim=True: the DockerProvider's engine cannot "
+                               "push a container's memory out (the LocalProvider can)" % what)
         async with self._hold(sandbox_id):
             container = await self._inspect(sandbox_id, what)
             if not container["State"].get("Paused"):

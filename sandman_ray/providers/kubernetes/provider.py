@@ -516,7 +516,7 @@ class KubernetesProvider(Provider):
         raise NotSupported("delete snapshot %r (pool %s): the KubernetesProvider has no "
                            "snapshots; %s" % (name, self.pool, NO_SNAPSHOT))
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
         """Refused: NotSupported, saying what a pause of a pod would need."""
         raise NotSupported("pause sandbox %s (pool %s): %s" % (sandbox_id, self.pool, NO_PAUSE))
 

@@ -381,19 +381,27 @@ class NodeAgent:
                                 % (ref, ", ".join(users)))
         await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete, name)
 
-    async def pause(self, sandbox_id: str) -> None:
-        """Freeze every process of the sandbox (the cgroup freezer): no CPU, memory kept."""
+    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
+        """Freeze every process of the sandbox (the cgroup freezer): no CPU, memory kept;
+        with ``reclaim``, then push its memory out (Cgroups.reclaim)."""
         sandbox = self._sandbox(sandbox_id, "pause")
         if sandbox.cgroups is None or not sandbox.cgroups.can_freeze:
             raise NotSupported("pause of sandbox %s needs a freezer cgroup, which this "
                                "agent has not (an agent that is not root, or a host "
                                "without the freezer)" % sandbox_id)
         async with self._lock(sandbox_id):
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.get_running_loop().run_in_executor(None, sandbox.cgroups.freeze)
+                await loop.run_in_executor(None, sandbox.cgroups.freeze)
             except OSError as exc:
                 sandbox.cgroups.thaw()
                 raise transient("pause of sandbox %s: %s" % (sandbox_id, exc)) from exc
+            if reclaim:
+                try:
+                    await loop.run_in_executor(None, sandbox.cgroups.reclaim)
+                except OSError as exc:  # it stays paused, with its memory
+                    logger.warning("pool %s: reclaim of paused sandbox %s: %s", self.pool,
+                                   sandbox_id, exc)
 
     async def resume(self, sandbox_id: str) -> None:
         sandbox = self._sandbox(sandbox_id, "resume")

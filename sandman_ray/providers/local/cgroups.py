@@ -181,6 +181,40 @@ class Cgroups:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def reclaim(self) -> int:
+        """Push out what of the sandbox's memory the kernel can: file pages dropped,
+        anonymous ones written to swap where the node has some (v2 ``memory.reclaim``
+        with swap allowed while it runs, v1 ``memory.force_empty``). For a frozen
+        sandbox, whose next run brings back only what it touches. The bytes its memory
+        group holds less afterwards (0 without a memory group)."""
+        if self.applied.get("memory") == "cgroup-v2":
+            path, usage = self.ROOT / self.group, "memory.current"
+        elif self.applied.get("memory") == "cgroup-v1":
+            path, usage = self.ROOT / "memory" / self.group, "memory.usage_in_bytes"
+        else:
+            return 0
+        before = int((path / usage).read_text())
+        if usage == "memory.current":
+            swap = path / "memory.swap.max"
+            kept = swap.read_text().strip() if swap.exists() else None
+            try:
+                if kept is not None:
+                    _write(swap, "max")
+                _write(path / "memory.reclaim", before)
+            except OSError as exc:  # EAGAIN: less than asked could go
+                if exc.errno != errno.EAGAIN:
+                    raise
+            finally:
+                if kept is not None:
+                    _write(swap, kept)  # what is out stays out; no more goes
+        else:
+            try:
+                _write(path / "memory.force_empty", 0)
+            except OSError as exc:  # EBUSY: what is left could not go
+                if exc.errno not in (errno.EBUSY, errno.EINTR):
+                    raise
+        return max(before - int((path / usage).read_text()), 0)
+
     def oom_counter(self) -> Optional[Path]:
         """The file holding the OOM kill count of the sandbox's memory group, if it has
         one (v2 memory.events, v1 memory.oom_control)."""

@@ -1,0 +1,88 @@
+"""This process's pool actor handles, looked up once (a name lookup is a GCS call) and
+forgotten with the Ray session they belong to (after ``ray.shutdown()`` and a new
+``ray.init()`` they name actors that are gone). A handle that turns out dead, the pool
+shut down and created anew by another process, is looked up once more
+(``call_pool``)."""
+
+import threading
+from typing import Dict, Optional
+
+import ray
+
+from sandman_ray.errors import SandmanError
+from sandman_ray.pool.cluster import NAMESPACE, pool_actor_name
+
+_pools: Dict[str, object] = {}  # pool name -> actor handle
+_cached_for = [None]  # the Ray session the cache belongs to
+_lock = threading.Lock()
+
+
+def ray_session() -> tuple:
+    """What names this process's Ray session: caches of actors belong to one."""
+    ctx = ray.get_runtime_context()
+    return (ctx.gcs_address, ctx.get_node_id(), ctx.get_job_id())
+
+
+def _current() -> None:
+    session = ray_session()
+    if _cached_for[0] != session:
+        with _lock:
+            if _cached_for[0] != session:
+                _pools.clear()
+                _cached_for[0] = session
+
+
+def get_pool(name: str = "default", refresh: bool = False):
+    """The pool's actor handle, looked up once per process; ``refresh``: look it up
+    again (a pool shut down and created anew by another process is a new actor)."""
+    _current()
+    pool = None if refresh else _pools.get(name)
+    if pool is not None:
+        return pool
+    try:
+        pool = ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise SandmanError("no pool named %r: create it with sandman_ray.create_pool(%r)"
+                           % (name, name)) from None
+    _pools[name] = pool
+    return pool
+
+
+def forget_pool(name: str, pool: Optional[object] = None) -> None:
+    """Drop the cached handle of pool ``name`` (only if it is ``pool``, when given)."""
+    with _lock:
+        if pool is None or _pools.get(name) is pool:
+            _pools.pop(name, None)
+
+
+def _looked_up_again(name: str, pool):
+    """The pool's handle looked up anew, once ``pool`` (a cached one) turned out dead;
+    None when it is the same actor (the pool itself is gone)."""
+    forget_pool(name, pool)
+    fresh = get_pool(name, refresh=True)
+    return None if fresh._actor_id == pool._actor_id else fresh
+
+
+def call_pool(name: str, method: str, *args):
+    """``ray.get`` of one call to pool ``name``; on a cached handle whose actor is
+    dead, the pool is looked up once more and asked again."""
+    pool = get_pool(name)
+    try:
+        return ray.get(getattr(pool, method).remote(*args))
+    except ray.exceptions.RayActorError:
+        fresh = _looked_up_again(name, pool)
+        if fresh is None:
+            raise
+        return ray.get(getattr(fresh, method).remote(*args))
+
+
+async def call_pool_async(name: str, method: str, *args):
+    """``call_pool`` for asyncio code."""
+    pool = get_pool(name)
+    try:
+        return await getattr(pool, method).remote(*args)
+    except ray.exceptions.RayActorError:
+        fresh = _looked_up_again(name, pool)
+        if fresh is None:
+            raise
+        return await getattr(fresh, method).remote(*args)

@@ -8,6 +8,7 @@ every call runs on the one event loop the reconciler owns.
 """
 
 import asyncio
+import dataclasses
 import logging
 from typing import List, Optional
 
@@ -82,7 +83,8 @@ class PoolActor:
         else:
             lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
                                      node)
-        lease.pause_between_steps = pool.config.pause_between_steps
+        if pool.config.pause_between_steps:
+            lease = dataclasses.replace(lease, pause_between_steps=True)
         return pack_lease(lease) if isinstance(spec, bytes) else lease
 
     async def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:

@@ -213,7 +213,7 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
             _after_failure(host, node, pool, lease_id, exc, attempt, deadline, host_died)
             continue
         if reachable(lease, node):
-            return _handle(lease, host, auto_resume)
+            return _handle(_taken(lease, host), host, auto_resume)
         there = _host(lease.node_id)
         try:
             await there.actor.bind.remote(lease)
@@ -288,11 +288,20 @@ def _handle(lease, host: _Host, auto_resume: bool = False) -> SandboxHandle:
     return handle
 
 
+def _taken(lease, host: _Host):
+    """``lease``, handed to this process's ``host`` by this process too (without waiting):
+    the pool offers it to the host as it answers, but a pool that dies right after
+    its answer may never have sent the offer, and its restarted self would then take
+    the sandbox back as held by no one. The host takes a lease once."""
+    host.actor.take.remote(lease)
+    return lease
+
+
 def _handle_for(lease, host: _Host, node: str, attempt: int, deadline: float):
     """The handle of a lease this node's host holds; one it cannot reach is bound by
     the host of the sandbox's node (None: it was lost meanwhile, ask again)."""
     if reachable(lease, node):
-        return _handle(lease, host)
+        return _handle(_taken(lease, host), host)
     there = _host(lease.node_id)
     try:
         ray.get(there.actor.bind.remote(lease))

@@ -96,6 +96,7 @@ class _HandleHost:
         self.arrived = threading.Condition(self.lock)  # a lease was taken or ended
         self.held: Dict[str, _Held] = {}  # lease id -> what it holds
         self.binding: Set[str] = set()  # leases whose bind is under way
+        self.taking: Dict[str, object] = {}  # lease id -> a lease offered, connecting
         self.dropped: Set[str] = set()  # of those, the ones released meanwhile
         self.pools: Dict[str, object] = {}  # pool name -> PoolActor handle
         self.ended = EndedLeases()  # to say why a late call is refused
@@ -141,27 +142,43 @@ class _HandleHost:
         """The pool lent ``lease`` to this host's client, who asked the pool itself
         (``cluster.offer``): connect to its daemon now, so that the client's first call
         finds the lease held and a connection open. False when the lease ended here
-        first (its client gave it back) or its sandbox is gone (given back)."""
+        first (its client gave it back) or its sandbox is gone (given back). A lease
+        held already under the same id with another sandbox or token gives way: a
+        restarted pool lent the id again (what it lent before is no longer its)."""
         with self.lock:
-            if lease.lease_id in self.held or lease.lease_id in self.ended or self.restarted:
+            if self._same_held(lease) or lease.lease_id in self.ended or self.restarted:
                 return False
+            self.taking[lease.lease_id] = lease  # a restarted pool asking sees it
         try:
             # its hello's answer comes with the first call's: the lease is held here
             # one round trip sooner, for a first call that may already wait for it
             client = self._connected(lease, self.name, hello_first=False)
         except SandboxLost as exc:
             with self.lock:
+                self.taking.pop(lease.lease_id, None)
                 self.ended.note(lease.lease_id, str(exc))
                 self.arrived.notify_all()
             return False
         with self.lock:
-            late = lease.lease_id in self.ended or lease.lease_id in self.held
+            self.taking.pop(lease.lease_id, None)
+            late = lease.lease_id in self.ended or self._same_held(lease)
+            stale = None if late else self.held.get(lease.lease_id)
+            if stale is not None:
+                stale.ended = True  # its connections in use close as they come back
             if not late:
                 self.held[lease.lease_id] = _Held(lease, client)
             self.arrived.notify_all()
         if late:  # released while it connected: the release told the pool
             client.close()
+        if stale is not None:
+            self._end(stale)
         return not late
+
+    def _same_held(self, lease) -> bool:
+        """Whether ``lease`` is held here already, as it is (the lock held)."""
+        held = self.held.get(lease.lease_id)
+        return held is not None and (held.lease.sandbox_id, held.lease.token) == \
+            (lease.sandbox_id, lease.token)
 
     @contextlib.contextmanager
     def _taking(self, lease_id: str):
@@ -312,7 +329,8 @@ class _HandleHost:
     def leases(self, pool: str) -> list:
         """The leases of ``pool`` this host holds (a restarted pool asks)."""
         with self.lock:
-            return [held.lease for held in self.held.values() if held.lease.pool == pool]
+            return [held.lease for held in self.held.values() if held.lease.pool == pool] + \
+                [lease for lease in self.taking.values() if lease.pool == pool]
 
     @ray.method(concurrency_group="control")
     def node_id(self, lease_id: str) -> Optional[str]:

@@ -306,11 +306,9 @@ class Reconciler(SnapshotOps):
         self.last_lent[rec.spec] = now
         self.stats["leases"] += 1
         self.metrics.lent(now - waiter.enqueued)
+        if offer:  # sent before the answer: a pool that dies between them lost neither
+            self.cluster.offer(waiter.holder, lease)
         waiter.future.set_result(lease)
-        if offer:
-            # and is handed it to connect, right after the answer leaves: a client's
-            # direct calls need no host, and a call through it waits for the offer
-            asyncio.get_running_loop().call_soon(self.cluster.offer, waiter.holder, lease)
 
     def allowed(self, client: str) -> bool:
         quota = self.config.client_quota

@@ -14,7 +14,7 @@ from sandman_ray.direct import Direct
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
-from sandman_ray.lookup import forget_pool, get_pool, ray_session
+from sandman_ray.lookup import current, forget_pool, get_pool, session_cache
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.reconciler import reachable
@@ -24,20 +24,9 @@ from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, c
 SpecLike = Union[SandboxSpec, str]
 BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn out gone
 
-_hosts: Dict[str, object] = {}  # node id ("" for anywhere) -> this process's HandleHost
+# node id ("" for anywhere) -> this process's HandleHost, forgotten with its Ray session
+_hosts: Dict[str, object] = session_cache({})
 _hosts_lock = threading.Lock()
-_cached_for = [None]  # the Ray session the cache above belongs to
-
-
-def _caches_current() -> None:
-    """Forget handle hosts of an earlier Ray session of this process (after
-    ``ray.shutdown()`` and a new ``ray.init()`` they name actors that are gone)."""
-    session = ray_session()
-    if _cached_for[0] != session:
-        with _hosts_lock:
-            if _cached_for[0] != session:
-                _hosts.clear()
-                _cached_for[0] = session
 
 
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
@@ -115,7 +104,7 @@ class _Host:
 def _host(node_id: Optional[str]) -> _Host:
     """This process's HandleHost on ``node_id`` (anywhere for None), started once
     (without waiting for it)."""
-    _caches_current()
+    current()  # hosts of an earlier Ray session name actors that are gone
     key = node_id or ""
     with _hosts_lock:
         host = _hosts.get(key)

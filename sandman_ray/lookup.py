@@ -13,8 +13,10 @@ from sandman_ray.errors import SandmanError
 from sandman_ray.pool.cluster import NAMESPACE, pool_actor_name
 
 _pools: Dict[str, object] = {}  # pool name -> actor handle
-_cached_for = [None]  # the Ray session the cache belongs to
+_cached_for = [None]  # the Ray session the caches belong to
 _lock = threading.Lock()
+# other caches of this process's actors (api's handle hosts), emptied with this one
+_session_caches: list = [_pools]
 
 
 def ray_session() -> tuple:
@@ -23,19 +25,27 @@ def ray_session() -> tuple:
     return (ctx.gcs_address, ctx.get_node_id(), ctx.get_job_id())
 
 
-def _current() -> None:
+def current() -> None:
+    """Empty every cache of actors that belong to an earlier Ray session."""
     session = ray_session()
     if _cached_for[0] != session:
         with _lock:
             if _cached_for[0] != session:
-                _pools.clear()
+                for cache in _session_caches:
+                    cache.clear()
                 _cached_for[0] = session
+
+
+def session_cache(cache: dict) -> dict:
+    """``cache`` (of actor handles), emptied by ``current`` with a new Ray session."""
+    _session_caches.append(cache)
+    return cache
 
 
 def get_pool(name: str = "default", refresh: bool = False):
     """The pool's actor handle, looked up once per process; ``refresh``: look it up
     again (a pool shut down and created anew by another process is a new actor)."""
-    _current()
+    current()
     pool = None if refresh else _pools.get(name)
     if pool is not None:
         return pool

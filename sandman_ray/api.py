@@ -17,7 +17,7 @@ from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
 from sandman_ray.lookup import current, forget_pool, get_pool, session_cache
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
-from sandman_ray.pool.reconciler import reachable
+from sandman_ray.pool.states import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 

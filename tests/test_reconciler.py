@@ -441,6 +441,21 @@ def test_twenty_thousand_records_cost_a_tick_only_what_changed():
     run(main())
 
 
+def test_the_status_says_what_the_loop_s_ticks_and_sweeps_take():
+    async def main():
+        pool, _, _, _ = make(warm={SPEC: 2})
+        assert pool.status()["loop_ms"] == {}
+        loop = asyncio.ensure_future(pool.run())
+        while pool.records.count(State.READY) < 2:
+            await asyncio.sleep(0)
+        loop.cancel()
+        times = pool.status()["loop_ms"]
+        assert times["tick"]["n"] >= 1 and times["sweep"]["n"] >= 1
+        for step in times.values():
+            assert 0 <= step["p50_ms"] <= step["p99_ms"] <= step["max_ms"] < 1e4
+    run(main())
+
+
 def test_a_lease_goes_to_a_sandbox_on_the_callers_node_first():
     """Ready on both nodes: each caller gets the one on its own node, older ones
     elsewhere notwithstanding; with none on its node, one elsewhere at once rather than

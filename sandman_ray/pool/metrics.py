@@ -129,3 +129,4 @@ def handle_call_latency():
             "(exec, run, files ...), by op.", boundaries=LATENCY_BOUNDARIES,
             tag_keys=("pool", "op"))
     return _exec_latency
+

@@ -8,16 +8,10 @@ indexes of ``Records``, so a tick costs what changed since the last one, not the
 number of records. State transitions happen only through ``Records.move``; side
 effects only through the provider; Ray only through ``cluster`` (the actor's
 ``RayCluster``: live hosts and the leases they hold, alive nodes, handing a host a
-lease and telling it one ended); time only
-through ``clock``. The unit tests drive it with a fake of each.
+lease and telling it one ended); time only through ``clock``. The unit tests drive it with a fake of each.
 
-The watchdog (``sweep``) reclaims leases whose holder, the client's handle host, is
-gone, that no host registered within the grace, or that outlived their TTL or idle
-timeout. Sandboxes on a Ray node that has died went with it: ``drop_dead_nodes``
-forgets them (ending their leases) and their warm capacity is created again on the
-nodes that are left. A restarted pool rebuilds its state from the provider's
-labelled inventory and the leases that the live hosts hold (``recover``): those go on, the rest is started afresh, nothing is
-leased twice.
+The watchdog and a restarted pool's recovery are in ``sandman_ray.pool.upkeep``; the
+snapshots, warm targets and paused leases in ``sandman_ray.pool.snapshots``.
 """
 
 import asyncio
@@ -33,7 +27,9 @@ from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.records import Records
 from sandman_ray.pool.snapshots import SnapshotOps
-from sandman_ray.pool.states import EndedLeases, Lease, Sandbox, State
+from sandman_ray.pool.timings import LoopTimes
+from sandman_ray.pool.upkeep import Upkeep
+from sandman_ray.pool.states import EndedLeases, Lease, Sandbox, State, reachable
 from sandman_ray.pool.waiters import FairQueue, Waiter
 from sandman_ray.providers.base import POOL_LABEL, Provider
 from sandman_ray.spec import ANYWHERE, PoolConfig, SandboxSpec
@@ -54,7 +50,7 @@ INVENTORY_INTERVAL_S = 5.0
 NODE_CHECK_S = 1.0     # how often the pool asks which Ray nodes are alive
 
 
-class Reconciler(SnapshotOps):
+class Reconciler(SnapshotOps, Upkeep):
     def __init__(self, name: str, config: PoolConfig, provider: Provider, cluster, clock,
                  metrics):
         self.name, self.config, self.provider = name, config, provider
@@ -75,6 +71,7 @@ class Reconciler(SnapshotOps):
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.ended = EndedLeases()  # for hosts that ask why_ended
         self.wake: Optional[asyncio.Event] = None
+        self.loop_times = LoopTimes()  # what its ticks and sweeps take (``status``)
         self._init_snapshots()
 
     # ------------------------------------------------------------------ the loop
@@ -86,14 +83,16 @@ class Reconciler(SnapshotOps):
         next_inventory = self.clock.monotonic() + INVENTORY_INTERVAL_S
         while True:
             try:
-                self.tick()
+                with self.loop_times.timed("tick"):
+                    self.tick()
                 if self.metrics.due():
                     self.metrics.refresh(self.records.counts(), len(self.waiters),
                                          self.bucket.rate, dict(self.records.per_client))
                 now = self.clock.monotonic()
                 if now >= next_sweep:
                     next_sweep = now + self.config.sweep_interval_s
-                    await self.sweep()
+                    with self.loop_times.timed("sweep"):
+                        await self.sweep()
                 if now >= next_node_check:
                     next_node_check = now + NODE_CHECK_S
                     await self.drop_dead_nodes()
@@ -570,7 +569,8 @@ class Reconciler(SnapshotOps):
                 "leases_per_client": dict(self.records.per_client),
                 "snapshots": len(self.snapshots),
                 "snapshot_bytes": sum(i.size_bytes for i in self.snapshots.values()),
-                "create_starts": list(self.create_starts)[-1000:]}
+                "create_starts": list(self.create_starts)[-1000:],
+                "loop_ms": self.loop_times.summary()}
 
     def sandboxes(self) -> List[dict]:
         now = self.clock.monotonic()
@@ -579,93 +579,6 @@ class Reconciler(SnapshotOps):
                  "client": r.client, "holder": r.holder, "age_s": now - r.since,
                  "leased": r.lease is not None}
                 for r in self.records.values()]
-
-    # ------------------------------------------------------------------ watchdog
-    async def sweep(self) -> None:
-        leased = self.records.walk(State.LEASED)
-        if not leased:
-            return
-        taken = self.clock.monotonic()
-        names = await self.cluster.live_hosts()
-        now = self.clock.monotonic()
-        for rec in leased:
-            if rec.state is not State.LEASED or rec.registered_at >= taken:
-                continue  # ended meanwhile, or registered by a host the list may predate
-            why = self._orphaned(rec, names, now) or self._expired(rec, now)
-            if why:
-                self.stats["reclaimed"] += 1
-                self.end_lease(rec, "reclaimed: " + why)
-
-    async def drop_dead_nodes(self) -> None:
-        """Forget the sandboxes on Ray nodes that have died (with them): their holders
-        get SandboxLost from their handles, and warm capacity is created elsewhere."""
-        placed = self.records.nodes()
-        if not placed:
-            return
-        alive = await self.cluster.alive_nodes()
-        for node in [n for n in placed if n not in alive]:
-            for rec in self.records.on_node(node):
-                if rec.state not in (State.DELETING, State.GONE):
-                    self.stats["lost"] += 1
-                    self._delete_soon(rec, "lost: Ray node %s died" % node[:12])
-
-    def _orphaned(self, rec: Sandbox, names: set, now: float) -> Optional[str]:
-        """Why no live host holds the leased ``rec`` (None: one does, or its host may
-        still be starting). ``names``: the live hosts' names."""
-        alive = rec.holder is not None and rec.holder in names
-        rec.holder_seen = rec.holder_seen or alive
-        if not alive and rec.holder_seen:
-            return "host %s is gone" % rec.holder
-        if not alive and now - rec.leased_at > self.config.lease_grace_s:
-            return "no host within %.0f s" % self.config.lease_grace_s
-        return None
-
-    def _expired(self, rec: Sandbox, now: float) -> Optional[str]:
-        """Why the lease of ``rec`` is over by its TTL or idle timeout (None: it is not)."""
-        ttl = rec.spec.ttl_s or self.config.sandbox_ttl_s  # the spec's, else the pool's
-        idle = rec.spec.idle_timeout_s or self.config.idle_timeout_s
-        if ttl and now - rec.leased_at > ttl:
-            return "the lease outlived its TTL of %g s" % ttl
-        if idle and now - rec.last_used > idle and not rec.paused:
-            return "the lease was idle for %g s" % idle
-        return None
-
-    async def gc(self, dry_run: bool = True) -> List[dict]:
-        """Sandboxes that no live host holds: leases whose host is gone (or never came
-        within the grace) and sandboxes of this pool that the provider has but no
-        record knows. Deleted unless ``dry_run``; returned either way."""
-        names = await self.cluster.live_hosts()
-        now = self.clock.monotonic()
-        found = []
-        for rec in self.records.walk(State.LEASED):
-            why = self._orphaned(rec, names, now)
-            if why:
-                found.append({"sandbox_id": rec.sandbox_id, "state": rec.state.value,
-                              "client": rec.client, "why": why})
-                if not dry_run:
-                    await self._delete(rec, "gc: %s" % why)
-        for info in await self.strays():
-            found.append({"sandbox_id": info.sandbox_id, "state": "unknown", "client": None,
-                          "why": "no record of this pool knows it"})
-            if not dry_run:
-                await self._delete_stray(info)
-        return found
-
-    async def strays(self) -> list:
-        """Sandboxes of this pool that the provider has and no record knows."""
-        return [info for info in await self.provider.list({POOL_LABEL: self.name})
-                if info.sandbox_id not in self.records]
-
-    async def _delete_stray(self, info) -> None:
-        logger.warning("pool %s: deleting %s, which no record knows", self.name,
-                       info.sandbox_id)
-        self.stats["deletes"] += 1
-        self.metrics.deleted("stray")
-        await self._provider_delete(info.sandbox_id)
-
-    async def delete_strays(self) -> None:
-        for info in await self.strays():
-            await self._delete_stray(info)
 
     async def shutdown(self) -> int:
         """Delete every sandbox of the pool (leases end); returns how many."""
@@ -684,43 +597,3 @@ class Reconciler(SnapshotOps):
             await self.provider.close()
         return len(recs)
 
-    # ------------------------------------------------------------------ recovery
-    async def recover(self) -> None:
-        """After a restart: adopt the provider's sandboxes of this pool. The leases that
-        live hosts hold go on (the hosts are the pool's record of them); every other
-        sandbox is started afresh (a new token) before anyone is lent it, since it may
-        have served a lease no host had taken yet."""
-        try:
-            await self.recover_snapshots()
-        except Exception as exc:  # noqa: BLE001 - listed again by the next call that needs them
-            logger.warning("pool %s: its snapshots could not be listed: %s", self.name, exc)
-        infos = await self.provider.list({POOL_LABEL: self.name})
-        if not infos:
-            return
-        held = await self.cluster.held_leases(self.name)
-        now_wall, now = self.clock.time(), self.clock.monotonic()
-        for info in infos:
-            if not info.alive or info.spec is None:  # died while we were down, or unknown
-                await self._provider_delete(info.sandbox_id)
-                continue
-            rec = Sandbox(info.sandbox_id, info.spec, State.RELEASING, now, info=info)
-            lease, holder = held.get(info.sandbox_id, (None, None))
-            if lease is not None and lease.token != info.token:
-                lease = None  # started afresh since: that lease is over
-            if lease is None:
-                self.records.add(rec)
-            else:
-                rec.state = State.LEASED
-                self.records.add(rec)
-                self.records.lend(rec, lease, lease.client, holder)
-                rec.holder_seen = True
-                rec.registered_at = now
-                rec.leased_at = rec.last_used = now - max(now_wall - lease.leased_wall, 0.0)
-            self._event(rec, "recovered as %s" % rec.state.value)
-        logger.info("pool %s: recovered %d sandboxes", self.name, len(infos))
-
-
-def reachable(info, node: Optional[str]) -> bool:
-    """Whether a host on ``node`` reaches the daemon of ``info`` (TCP from anywhere, a
-    unix socket on its own node only)."""
-    return info.address.startswith("tcp:") or (node is not None and info.node_id == node)

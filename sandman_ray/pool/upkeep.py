@@ -1,0 +1,141 @@
+"""The pool's upkeep, a mixin of the Reconciler (the state is the Reconciler's): the
+watchdog, which ends leases that no live host holds or that outlived their TTL or idle
+timeout, forgets the sandboxes of dead Ray nodes and deletes the provider's sandboxes
+of this pool that no record knows; and the recovery of a restarted pool from the
+provider's inventory and the leases its live hosts hold.
+"""
+
+import logging
+from typing import List, Optional
+
+from sandman_ray.pool.states import Sandbox, State
+from sandman_ray.providers.base import POOL_LABEL
+
+logger = logging.getLogger(__name__)
+
+
+class Upkeep:
+    """``sweep``, ``drop_dead_nodes``, ``gc``, ``delete_strays`` and ``recover`` of the
+    Reconciler."""
+
+    # ------------------------------------------------------------------ watchdog
+    async def sweep(self) -> None:
+        leased = self.records.walk(State.LEASED)
+        if not leased:
+            return
+        taken = self.clock.monotonic()
+        names = await self.cluster.live_hosts()
+        now = self.clock.monotonic()
+        for rec in leased:
+            if rec.state is not State.LEASED or rec.registered_at >= taken:
+                continue  # ended meanwhile, or registered by a host the list may predate
+            why = self._orphaned(rec, names, now) or self._expired(rec, now)
+            if why:
+                self.stats["reclaimed"] += 1
+                self.end_lease(rec, "reclaimed: " + why)
+
+    async def drop_dead_nodes(self) -> None:
+        """Forget the sandboxes on Ray nodes that have died (with them): their holders
+        get SandboxLost from their handles, and warm capacity is created elsewhere."""
+        placed = self.records.nodes()
+        if not placed:
+            return
+        alive = await self.cluster.alive_nodes()
+        for node in [n for n in placed if n not in alive]:
+            for rec in self.records.on_node(node):
+                if rec.state not in (State.DELETING, State.GONE):
+                    self.stats["lost"] += 1
+                    self._delete_soon(rec, "lost: Ray node %s died" % node[:12])
+
+    def _orphaned(self, rec: Sandbox, names: set, now: float) -> Optional[str]:
+        """Why no live host holds the leased ``rec`` (None: one does, or its host may
+        still be starting). ``names``: the live hosts' names."""
+        alive = rec.holder is not None and rec.holder in names
+        rec.holder_seen = rec.holder_seen or alive
+        if not alive and rec.holder_seen:
+            return "host %s is gone" % rec.holder
+        if not alive and now - rec.leased_at > self.config.lease_grace_s:
+            return "no host within %.0f s" % self.config.lease_grace_s
+        return None
+
+    def _expired(self, rec: Sandbox, now: float) -> Optional[str]:
+        """Why the lease of ``rec`` is over by its TTL or idle timeout (None: it is not)."""
+        ttl = rec.spec.ttl_s or self.config.sandbox_ttl_s  # the spec's, else the pool's
+        idle = rec.spec.idle_timeout_s or self.config.idle_timeout_s
+        if ttl and now - rec.leased_at > ttl:
+            return "the lease outlived its TTL of %g s" % ttl
+        if idle and now - rec.last_used > idle and not rec.paused:
+            return "the lease was idle for %g s" % idle
+        return None
+
+    async def gc(self, dry_run: bool = True) -> List[dict]:
+        """Sandboxes that no live host holds: leases whose host is gone (or never came
+        within the grace) and sandboxes of this pool that the provider has but no
+        record knows. Deleted unless ``dry_run``; returned either way."""
+        names = await self.cluster.live_hosts()
+        now = self.clock.monotonic()
+        found = []
+        for rec in self.records.walk(State.LEASED):
+            why = self._orphaned(rec, names, now)
+            if why:
+                found.append({"sandbox_id": rec.sandbox_id, "state": rec.state.value,
+                              "client": rec.client, "why": why})
+                if not dry_run:
+                    await self._delete(rec, "gc: %s" % why)
+        for info in await self.strays():
+            found.append({"sandbox_id": info.sandbox_id, "state": "unknown", "client": None,
+                          "why": "no record of this pool knows it"})
+            if not dry_run:
+                await self._delete_stray(info)
+        return found
+
+    async def strays(self) -> list:
+        """Sandboxes of this pool that the provider has and no record knows."""
+        return [info for info in await self.provider.list({POOL_LABEL: self.name})
+                if info.sandbox_id not in self.records]
+
+    async def _delete_stray(self, info) -> None:
+        logger.warning("pool %s: deleting %s, which no record knows", self.name,
+                       info.sandbox_id)
+        self.stats["deletes"] += 1
+        self.metrics.deleted("stray")
+        await self._provider_delete(info.sandbox_id)
+
+    async def delete_strays(self) -> None:
+        for info in await self.strays():
+            await self._delete_stray(info)
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self) -> None:
+        """After a restart: adopt the provider's sandboxes of this pool. The leases that
+        live hosts hold go on (the hosts are the pool's record of them); every other
+        sandbox is started afresh (a new token) before anyone is lent it, since it may
+        have served a lease no host had taken yet."""
+        try:
+            await self.recover_snapshots()
+        except Exception as exc:  # noqa: BLE001 - listed again by the next call that needs them
+            logger.warning("pool %s: its snapshots could not be listed: %s", self.name, exc)
+        infos = await self.provider.list({POOL_LABEL: self.name})
+        if not infos:
+            return
+        held = await self.cluster.held_leases(self.name)
+        now_wall, now = self.clock.time(), self.clock.monotonic()
+        for info in infos:
+            if not info.alive or info.spec is None:  # died while we were down, or unknown
+                await self._provider_delete(info.sandbox_id)
+                continue
+            rec = Sandbox(info.sandbox_id, info.spec, State.RELEASING, now, info=info)
+            lease, holder = held.get(info.sandbox_id, (None, None))
+            if lease is not None and lease.token != info.token:
+                lease = None  # started afresh since: that lease is over
+            if lease is None:
+                self.records.add(rec)
+            else:
+                rec.state = State.LEASED
+                self.records.add(rec)
+                self.records.lend(rec, lease, lease.client, holder)
+                rec.holder_seen = True
+                rec.registered_at = now
+                rec.leased_at = rec.last_used = now - max(now_wall - lease.leased_wall, 0.0)
+            self._event(rec, "recovered as %s" % rec.state.value)
+        logger.info("pool %s: recovered %d sandboxes", self.name, len(infos))

@@ -274,6 +274,7 @@ def _handle(lease, host: _Host, auto_resume: bool = False) -> SandboxHandle:
                            lease.pool, host_name=host.name, direct=direct,
                            auto_resume=auto_resume)
     handle.pause_between_steps = lease.pause_between_steps
+    handle._controller = lease.controller if direct is not None else None
     return handle
 
 

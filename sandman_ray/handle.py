@@ -23,7 +23,7 @@ from sandman_ray.daemon.sandmand.wire import CodecError, pack
 from sandman_ray.direct import Direct, Unreachable
 from sandman_ray.errors import LeaseEnded, SandboxPaused
 from sandman_ray.host import DESCRIBED, FORWARDED, STREAMED
-from sandman_ray.lookup import call_pool, call_pool_async
+from sandman_ray.lookup import call_pool, call_pool_async, forget_named, get_named, get_pool
 
 
 class _Method:
@@ -230,6 +230,7 @@ class SandboxHandle:
         self.sandbox, self.node = sandbox_id, node_id
         self.auto_resume, self.paused = auto_resume, False
         self.pause_between_steps = False  # the pool's word (PoolConfig), set by acquire
+        self._controller: Optional[str] = None  # who pauses it here (Lease.controller)
         self._sent = _Sent()
         self._direct = direct  # this process's own connections (not passed on)
         # the lease is released when this object is collected, unless it was passed on
@@ -258,37 +259,92 @@ class SandboxHandle:
         return (_rebuilt, (self._host, self.lease_id, self.sandbox, self.node, self.pool,
                            self._host_name, self.auto_resume, self.pause_between_steps))
 
-    # ---- pauses: the pool freezes the sandbox's processes (sandman_ray.pause is this)
+    # ---- pauses: the node's controller (Provider.controller) freezes the sandbox's
+    # processes for a holder that shows its token, else the pool does (sandman_ray.pause
+    # is this)
     def pause(self, reclaim: bool = False) -> None:
         """Freeze every process of the sandbox where it is, its daemon too: no CPU
         while the model thinks, its memory kept; with ``reclaim``, the memory pushed
         out as far as the node can (to swap where it has some; LocalProvider). A paused
         lease is not reclaimed for idleness; its TTL runs on. Pausing a paused sandbox
         does nothing (with ``reclaim``, pushes out again)."""
-        call_pool(self.pool, "pause", self.lease_id, self._host_name, reclaim)
+        if not self._got(self._at_controller(True, reclaim)):
+            call_pool(self.pool, "pause", self.lease_id, self._host_name, reclaim)
         self.paused = True
 
     def resume(self) -> None:
         """Let the paused sandbox's processes run on where they stopped. LeaseEnded for
         a lease that ended meanwhile (its TTL runs while it is paused)."""
         try:
-            call_pool(self.pool, "resume", self.lease_id, self._host_name)
+            if not self._got(self._at_controller(False)):
+                call_pool(self.pool, "resume", self.lease_id, self._host_name)
         except LeaseEnded:  # no longer this handle's to resume
             self.paused = False
             raise
         self.paused = False
 
     async def pause_async(self, reclaim: bool = False) -> None:
-        await call_pool_async(self.pool, "pause", self.lease_id, self._host_name, reclaim)
+        if not await self._got_async(self._at_controller(True, reclaim)):
+            await call_pool_async(self.pool, "pause", self.lease_id, self._host_name, reclaim)
         self.paused = True
 
     async def resume_async(self) -> None:
         try:
-            await call_pool_async(self.pool, "resume", self.lease_id, self._host_name)
+            if not await self._got_async(self._at_controller(False)):
+                await call_pool_async(self.pool, "resume", self.lease_id, self._host_name)
         except LeaseEnded:
             self.paused = False
             raise
         self.paused = False
+
+    def _at_controller(self, pause: bool, *args) -> Optional[tuple]:
+        """A pause (or resume) by the sandbox's node controller, with the lease's token,
+        when this process holds the token (a direct connection), and the pool told at
+        the same time (it spares a paused lease its idle timeout, and says whether the
+        lease still holds): their two calls and whether to wait for the pool's; None:
+        ask the pool to do it."""
+        direct = self._direct
+        if self._controller is None or direct is None or direct.ended:
+            return None
+        controller = get_named(self._controller)
+        if controller is None:
+            return None
+        method = controller.pause_held if pause else controller.resume_held
+        return (method.remote(self.sandbox, direct.token, *args),
+                get_pool(self.pool).note_paused.remote(self.lease_id, self._host_name, pause),
+                not pause)  # whether to wait for the pool's word
+
+    def _got(self, calls: Optional[tuple]) -> bool:
+        """Whether the controller did it (False: none, one gone, or a token it no
+        longer takes: the pool then does it, or says why not). A resume waits for the
+        pool's word too: LeaseEnded for a lease that is over, though its sandbox, not
+        yet reset, took the token (a pause done then is undone by the reset)."""
+        if calls is None:
+            return False
+        try:
+            done = ray.get(calls[0])
+        except ray.exceptions.RayActorError:
+            forget_named(self._controller)
+            return False
+        if done and calls[2]:
+            self._still_held(ray.get(calls[1]))
+        return done
+
+    async def _got_async(self, calls: Optional[tuple]) -> bool:
+        if calls is None:
+            return False
+        try:
+            done = await calls[0]
+        except ray.exceptions.RayActorError:
+            forget_named(self._controller)
+            return False
+        if done and calls[2]:
+            self._still_held(await calls[1])
+        return done
+
+    def _still_held(self, why: Optional[str]) -> None:
+        if why is not None:
+            raise LeaseEnded("lease %s has ended: %s" % (self.lease_id, why), why)
 
     def _awake(self) -> None:
         """Before a call: the sandbox running, or SandboxPaused."""

@@ -96,3 +96,23 @@ async def call_pool_async(name: str, method: str, *args):
         if fresh is None:
             raise
         return await getattr(fresh, method).remote(*args)
+
+
+_named: Dict[str, object] = session_cache({})  # actor name -> handle (pause controllers)
+
+
+def get_named(name: str):
+    """The actor named ``name`` in the ``sandman`` namespace, looked up once per
+    process (None when there is none); ``forget_named`` drops one found dead."""
+    current()
+    actor = _named.get(name)
+    if actor is None:
+        try:
+            actor = _named[name] = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+    return actor
+
+
+def forget_named(name: str) -> None:
+    _named.pop(name, None)

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import glob
 import os
 import shutil
 import subprocess
@@ -155,6 +156,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def freezer_state(pool, sandbox_id):
+    """The sandbox's freezer state as the host's cgroup files say it (v1 freezer.state,
+    v2 cgroup.events)."""
+    for path in glob.glob("/sys/fs/cgroup/freezer/sandman/%s-*/%s/freezer.state"
+                          % (pool, sandbox_id)):
+        return open(path).read().strip()
+    for path in glob.glob("/sys/fs/cgroup/sandman/%s-*/%s/cgroup.events" % (pool, sandbox_id)):
+        return "FROZEN" if "frozen 1" in open(path).read() else "THAWED"
+    raise AssertionError("sandbox %s of pool %s has no freezer group" % (sandbox_id, pool))
 
 
 def wait_until(predicate, timeout=10.0, what="condition"):

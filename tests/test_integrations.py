@@ -9,7 +9,7 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, leased, require_bwrap, unique_pool, wait_until
+from conftest import ROOT, freezer_state, leased, require_bwrap, unique_pool, wait_until
 
 EXAMPLE = ROOT / "examples" / "rl_rollout"
 sys.path.insert(0, str(EXAMPLE))
@@ -164,18 +164,6 @@ def test_tool_calls_of_a_trajectory_share_one_sandbox(pool):
         assert metrics["exit_code"] == 0 and lines[-1] == "[exit code 0]"
     assert (before, after) == (0.0, 1.0)
     assert still_open == 0 and leased(pool) == 0
-
-
-def freezer_state(pool, sandbox_id):
-    """The sandbox's freezer state as the host's cgroup files say it (v1 freezer.state,
-    v2 cgroup.events)."""
-    import glob
-    for path in glob.glob("/sys/fs/cgroup/freezer/sandman/%s-*/%s/freezer.state"
-                          % (pool, sandbox_id)):
-        return open(path).read().strip()
-    for path in glob.glob("/sys/fs/cgroup/sandman/%s-*/%s/cgroup.events" % (pool, sandbox_id)):
-        return "FROZEN" if "frozen 1" in open(path).read() else "THAWED"
-    raise AssertionError("sandbox %s of pool %s has no freezer group" % (sandbox_id, pool))
 
 
 def test_a_trajectory_paused_between_steps_sees_what_one_never_paused_sees(cluster):

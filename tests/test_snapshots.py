@@ -15,7 +15,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.local import leftovers
 from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
-from conftest import ROOT, require_bwrap, unique_pool, wait_until
+from conftest import ROOT, freezer_state, require_bwrap, unique_pool, wait_until
 
 STATE = "/tmp/sandman-ray-test/snapshot-state"
 CACHE = ROOT / ".cache" / "provider"
@@ -209,6 +209,36 @@ def test_a_handle_pauses_and_resumes_its_sandbox_and_may_resume_on_a_call(pool):
         assert asyncio.run(paused_then_called()) == (True, b"async\n", False)
         sb.pause()
         assert ray.get(sb.run.remote("echo $KEPT")).stdout == b"yes\n"
+
+
+def test_a_holder_pauses_through_its_node_s_agent_which_takes_the_lease_s_token_only(pool):
+    """The handle of the process that holds the lease's token pauses in one hop, at the
+    node's agent (LocalProvider.controller), and the pool hears of it after; the agent
+    refuses any other token, among them that of a lease of the same sandbox that
+    ended, and leaves the sandbox running."""
+    actor = sandman.get_pool(pool)
+    events = lambda sid: [e[2] for e in ray.get(actor.recent_events.remote())  # noqa: E731
+                          if e[1] == sid and e[2] in ("paused", "resumed")]
+    with sandman.sandbox(pool=pool, timeout=120) as sb:
+        agent = ray.get_actor(sb._controller, namespace="sandman")
+        token = sb._direct.token
+        for wrong in ("", "0" * len(token), token[:-1], token + "0", b"x"):
+            assert ray.get(agent.pause_held.remote(sb.sandbox, wrong)) is False
+        assert ray.get(agent.pause_held.remote("no-such-sandbox", token)) is False
+        assert freezer_state(pool, sb.sandbox) == "THAWED"
+        sb.pause()
+        assert freezer_state(pool, sb.sandbox) == "FROZEN"
+        wait_until(lambda: events(sb.sandbox) == ["paused"], what="the pool to hear of it")
+        sb.resume()
+        assert freezer_state(pool, sb.sandbox) == "THAWED" and sb.exec("true").exit_code == 0
+        wait_until(lambda: events(sb.sandbox) == ["paused", "resumed"],
+                   what="the pool to hear of the resume")
+    with sandman.sandbox(pool=pool, timeout=120) as again:  # the same sandbox, reset
+        assert again.sandbox == sb.sandbox and again._direct.token != token
+        assert ray.get(agent.pause_held.remote(again.sandbox, token)) is False
+        assert ray.get(agent.resume_held.remote(again.sandbox, token)) is False
+        assert freezer_state(pool, again.sandbox) == "THAWED"
+        assert again.exec("echo mine").stdout == b"mine\n"
 
 
 def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):

@@ -83,8 +83,10 @@ class PoolActor:
         else:
             lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
                                      node)
-        if pool.config.pause_between_steps:
-            lease = dataclasses.replace(lease, pause_between_steps=True)
+        controller = pool.provider.controller(lease.node_id)
+        if pool.config.pause_between_steps or controller:
+            lease = dataclasses.replace(lease, controller=controller,
+                                        pause_between_steps=pool.config.pause_between_steps)
         return pack_lease(lease) if isinstance(spec, bytes) else lease
 
     async def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:
@@ -130,6 +132,10 @@ class PoolActor:
 
     async def resume(self, lease_id: str, holder: Optional[str]) -> bool:
         return await (await self._started()).resume(lease_id, holder)
+
+    async def note_paused(self, lease_id: str, holder: Optional[str],
+                          paused: bool) -> Optional[str]:
+        return (await self._started()).note_paused(lease_id, holder, paused)
 
     # ---- questions and operations
     async def status(self) -> dict:

@@ -17,7 +17,7 @@ import logging
 import uuid
 from typing import Dict, List, Optional, Set
 
-from sandman_ray.errors import LeaseEnded, SnapshotInUse
+from sandman_ray.errors import LeaseEnded, LeaseNotHeld, SnapshotInUse
 from sandman_ray.pool.states import Sandbox, State
 from sandman_ray.providers.base import SnapshotInfo
 from sandman_ray.spec import SandboxSpec, check_snapshot_name
@@ -160,16 +160,30 @@ class SnapshotOps:
                 await self.provider.pause(rec.sandbox_id, reclaim=True)
             else:
                 await self.provider.pause(rec.sandbox_id)
-            if not rec.paused:
-                rec.paused = True
-                self._event(rec, "paused")
+            self._mark_paused(rec, True)
         return True
 
     async def resume(self, lease_id: str, holder: Optional[str]) -> bool:
         rec = self._held(lease_id, holder, "resume")
         if rec.paused:
             await self.provider.resume(rec.sandbox_id)
-            rec.paused = False
-            rec.last_used = self.clock.monotonic()  # its idle time starts now
-            self._event(rec, "resumed")
+            self._mark_paused(rec, False)
         return True
+
+    def note_paused(self, lease_id: str, holder: Optional[str], paused: bool) -> Optional[str]:
+        """The holder paused or resumed its sandbox through the node's controller
+        (``Provider.controller``) itself. None; for a lease that is over (the
+        controller takes its token until the sandbox is reset, moments later) or not
+        the holder's, why not."""
+        try:
+            self._mark_paused(self._held(lease_id, holder, "note_paused"), paused)
+        except (LeaseEnded, LeaseNotHeld) as exc:
+            return str(exc)
+        return None
+
+    def _mark_paused(self, rec: Sandbox, paused: bool) -> None:
+        if rec.paused != paused:
+            rec.paused = paused
+            if not paused:
+                rec.last_used = self.clock.monotonic()  # its idle time starts now
+            self._event(rec, "paused" if paused else "resumed")

@@ -63,7 +63,9 @@ class Lease:
     lease_id: unique per lease (a sandbox leased twice gets two). sandbox_id, address,
     token, node_id: where its daemon is. pool: the pool that lent it; client: to whom;
     leased_wall: when (wall clock); pause_between_steps: the pool's word to the
-    integrations (PoolConfig). The hosts that hold leases are the pool's record of
+    integrations (PoolConfig); controller: the actor on the sandbox's node that pauses
+    and resumes it for a caller showing the token (``Provider.controller``; None:
+    pauses go through the pool). The hosts that hold leases are the pool's record of
     them: a restarted pool asks them.
     """
 
@@ -76,6 +78,7 @@ class Lease:
     client: str = ""
     leased_wall: float = 0.0
     pause_between_steps: bool = False
+    controller: Optional[str] = None
 
 
 def pack_lease_request(spec, client: str, timeout_s: float, holder: str, holder_node: str,
@@ -96,7 +99,7 @@ def pack_lease(lease: Lease) -> bytes:
     from sandman_ray.daemon.sandmand.wire import pack
     return pack([lease.lease_id, lease.sandbox_id, lease.address, lease.token,
                  lease.node_id, lease.pool, lease.client, lease.leased_wall,
-                 lease.pause_between_steps])
+                 lease.pause_between_steps, lease.controller])
 
 
 def unpack_lease(data: bytes) -> Lease:

@@ -205,6 +205,15 @@ class Provider(abc.ABC):
         them)."""
         return []
 
+    def controller(self, node_id: Optional[str]) -> Optional[str]:
+        """The name (in Ray namespace ``sandman``) of an actor on Ray node ``node_id``
+        whose ``pause_held(sandbox_id, token, reclaim)`` and ``resume_held(sandbox_id,
+        token)`` pause and resume a sandbox there for a caller that shows the
+        sandbox's token (True; False for a token it does not take): a holder on that
+        node pauses its sandbox in one hop, and tells the pool after. None: pauses go
+        through the pool."""
+        return None
+
     async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
         """Stop every process of the sandbox from running, keeping its memory, until
         ``resume``; with ``reclaim``, then push out what of its memory the kernel can

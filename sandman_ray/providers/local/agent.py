@@ -3,6 +3,7 @@ node (bubblewrap, ``providers/local/bwrap.py``, or gVisor, ``providers/local/gvi
 and the cgroups of its incarnations."""
 
 import asyncio
+import hmac
 import logging
 import os
 import re
@@ -408,6 +409,26 @@ class NodeAgent:
         if sandbox.cgroups is not None:
             async with self._lock(sandbox_id):
                 sandbox.cgroups.thaw()
+
+    async def pause_held(self, sandbox_id: str, token: str, reclaim: bool = False) -> bool:
+        """``pause`` for the holder of the sandbox's lease, who shows its token (a
+        lease that ended has one the sandbox no longer takes): False for any other
+        token, or a sandbox not here (LocalProvider.controller)."""
+        if not self._takes(sandbox_id, token):
+            return False
+        await self.pause(sandbox_id, reclaim)
+        return True
+
+    async def resume_held(self, sandbox_id: str, token: str) -> bool:
+        if not self._takes(sandbox_id, token):
+            return False
+        await self.resume(sandbox_id)
+        return True
+
+    def _takes(self, sandbox_id: str, token: str) -> bool:
+        sandbox = self.sandboxes.get(sandbox_id)
+        return sandbox is not None and isinstance(token, str) and \
+            hmac.compare_digest(sandbox.token.encode(), token.encode())
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()

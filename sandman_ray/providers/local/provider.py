@@ -95,6 +95,10 @@ class LocalProvider(NodeAgentProvider):
     def agent_class(self):
         return NodeAgent
 
+    def controller(self, node_id: Optional[str]) -> Optional[str]:
+        """The node's agent pauses and resumes for a holder that shows the token."""
+        return agent_name(self.pool, node_id, self.agent_kind) if node_id else None
+
     def is_snapshot_image(self, image: str) -> bool:
         return image.startswith("snapshot:")
 

@@ -49,9 +49,11 @@ demo: system-packages $(call STAMP,examples) $(BUILTIN)
 test: system-packages $(TEST_STAMP) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
-# the fault suite (bench/chaos.py), every scenario once, as a test
+# the fault suite (bench/chaos.py), every scenario once, and 5,000 cycles of the soak
+# (bench/soak.py), as tests
 test-chaos: system-packages $(call STAMP,test) $(BUILTIN)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_chaos.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "chaos or soak" tests/test_chaos.py \
+		tests/test_soak.py
 
 # the isolation section measures this commit's levels beside those of BENCH_AGAINST (the
 # last commit before the system call policy and the interface filter), in turns

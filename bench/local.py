@@ -44,8 +44,13 @@ def pct(values, q):
 
 def pss_kb(pid: int) -> int:
     """PSS of ``pid`` and all its descendants, in KiB."""
+    return pss_of([pid] + descendants(pid))
+
+
+def pss_of(pids) -> int:
+    """PSS of the processes ``pids`` (those still there), in KiB."""
     total = 0
-    for current in [pid] + descendants(pid):
+    for current in pids:
         try:
             with open("/proc/%d/smaps_rollup" % current) as fh:
                 total += next(int(l.split()[1]) for l in fh if l.startswith("Pss:"))

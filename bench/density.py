@@ -1,0 +1,303 @@
+"""How many leased sandboxes one node holds, and what each costs, running and paused.
+
+    python bench/density.py [--ns 100,250,500,1000] [--samples 100] [--paused 20]
+
+On a local Ray with the LocalProvider and ``builtin:debian``, one pool leases N
+sandboxes to this driver, each with a live shell session (``run``) and a sleeping
+background process (``spawn``), growing N step by step. At each N: the acquires of
+the step (p50, p99), ``exec true`` on random sandboxes directly and through
+``.remote()``, pause and resume of random sandboxes (the handle's ``pause()`` /
+``resume()``), PSS per sandbox running (every process of every sandbox, from the
+host's /proc) and paused (``pause(reclaim=True)`` on ``--paused`` of them), the node's
+available memory, and the threads and open files of the pool's actor, the node agent
+and the handle host. Where a step cannot be reached, the run says at which N and why,
+and stops there. Prints a table and a JSON line; writes bench/results/density.json.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CACHE, ROOT, pct  # noqa: E402  (bench/common.py)
+from local import pss_of as pss_kb  # noqa: E402  (bench/local.py)
+
+import sandman_ray as sandman  # noqa: E402
+from sandman_ray.providers.local import LocalProvider, leftovers  # noqa: E402
+from sandman_ray.spec import DEFAULT_IMAGE  # noqa: E402
+
+STATE = "/tmp/sandman-ray/bench-density"
+RESULTS = ROOT / "bench" / "results" / "density.json"
+GROW_AT_ONCE = 25  # acquires in flight while a step grows
+
+
+def sandbox_pids(pool: str, sandbox_id: str) -> List[int]:
+    """The processes in one sandbox's cgroups, read from the host's cgroup files."""
+    pids = set()
+    for procs in glob.glob("/sys/fs/cgroup/*/sandman/%s-*/%s/cgroup.procs" % (pool, sandbox_id)) + \
+            glob.glob("/sys/fs/cgroup/sandman/%s-*/%s/cgroup.procs" % (pool, sandbox_id)):
+        with open(procs) as fh:
+            pids.update(int(line) for line in fh if line.strip())
+    return sorted(pids)
+
+
+def threads_and_fds(pid: int) -> Dict[str, int]:
+    with open("/proc/%d/status" % pid) as fh:
+        threads = next(int(line.split()[1]) for line in fh if line.startswith("Threads:"))
+    return {"threads": threads, "fds": len(os.listdir("/proc/%d/fd" % pid))}
+
+
+def actor_pids(pool: str, sb) -> Dict[str, int]:
+    """The pids of the pool's actor, the node agent and this driver's handle host (the
+    one holding ``sb``)."""
+    from sandman_ray.providers.nodes import NAMESPACE, agent_name
+    pid = lambda actor: ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
+    node = ray.get_runtime_context().get_node_id()
+    return {"pool": ray.get(sandman.get_pool(pool).status.remote())["pid"],
+            "agent": pid(ray.get_actor(agent_name(pool, node), namespace=NAMESPACE)),
+            "host": pid(sb._host)}
+
+
+@contextlib.contextmanager
+def swap_file(gb: int):
+    """A swap file of ``gb`` GiB for the run, where the node has no swap (reclaim can
+    push a paused sandbox's anonymous memory only into swap); removed after."""
+    with open("/proc/swaps") as fh:
+        has_swap = len(fh.read().splitlines()) > 1
+    if has_swap or gb <= 0:
+        yield None
+        return
+    path = "/var/tmp/sandman-bench-density.swap"
+    subprocess.run(["fallocate", "-l", "%dG" % gb, path], check=True)
+    os.chmod(path, 0o600)
+    try:
+        subprocess.run(["mkswap", path], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["swapon", path], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["swapoff", path], check=True)
+    finally:
+        os.unlink(path)
+
+
+def available_mb() -> float:
+    with open("/proc/meminfo") as fh:
+        return next(int(line.split()[1]) for line in fh
+                    if line.startswith("MemAvailable:")) / 1024
+
+
+async def grow(pool: str, held: list, n: int) -> List[float]:
+    """Acquire until ``held`` has ``n`` sandboxes, each with a session and a sleeper;
+    the time of each acquire."""
+    times = []
+
+    async def one():
+        start = time.perf_counter()
+        sb = await sandman.acquire_async(DEFAULT_IMAGE, pool=pool, timeout=300)
+        times.append(time.perf_counter() - start)
+        await sb.run_async("cd /tmp")
+        await sb.spawn_async("sleep 1000000")
+        await sb.exec.remote("true")  # its host's connection is open too, as a user's is
+        held.append(sb)
+    while len(held) < n:
+        await asyncio.gather(*(one() for _ in range(min(GROW_AT_ONCE, n - len(held)))))
+    return times
+
+
+def timed(fn, rounds: int) -> List[float]:
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """The node's CPU in use over ``seconds`` (cores busy), nothing else asked of it."""
+    def ticks():
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    start = ticks()
+    time.sleep(seconds)  # the window measured
+    return (ticks() - start) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def measure(pool: str, held: list, samples: int, paused: int, rng, loop) -> dict:
+    pick = lambda: rng.choice(held)  # noqa: E731
+    idle = busy_cores()  # N leased sandboxes idle, their shells and sleepers waiting
+    # direct: on the event loop whose connection each sandbox already has
+    direct = timed(lambda: loop.run_until_complete(pick().exec_async("true")), samples)
+    remote = timed(lambda: ray.get(pick().exec.remote("true")), samples)
+    pauses, resumes = [], []
+    for sb in rng.sample(held, min(samples, len(held))):
+        pauses += timed(sb.pause, 1)
+        resumes += timed(sb.resume, 1)
+    sandboxed = leftovers(pool, STATE)["processes"]
+    running_kb = pss_kb(sandboxed) / len(held)
+    chosen = rng.sample(held, min(paused, len(held)))
+    for sb in chosen:
+        sb.pause(reclaim=True)
+    paused_kb = sum(pss_kb(sandbox_pids(pool, sb.sandbox)) for sb in chosen) / len(chosen)
+    for sb in chosen:
+        sb.resume()
+    status = timed(lambda: ray.get(sandman.get_pool(pool).status.remote()), 20)
+    loop_ms = ray.get(sandman.get_pool(pool).status.remote())["loop_ms"]
+    pids = actor_pids(pool, held[0])
+    procs = {role: dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024)
+             for role, pid in pids.items()}
+    ms = lambda values, q: pct(values, q) * 1e3  # noqa: E731
+    return {"exec_direct_p50_ms": ms(direct, 0.5), "exec_direct_p99_ms": ms(direct, 0.99),
+            "exec_remote_p50_ms": ms(remote, 0.5), "exec_remote_p99_ms": ms(remote, 0.99),
+            "pause_p50_ms": ms(pauses, 0.5), "pause_p99_ms": ms(pauses, 0.99),
+            "resume_p50_ms": ms(resumes, 0.5), "resume_p99_ms": ms(resumes, 0.99),
+            "pss_mb_per_sandbox_running": running_kb / 1024,
+            "pss_mb_per_sandbox_paused": paused_kb / 1024, "paused_sampled": len(chosen),
+            "sandbox_processes": len(sandboxed), "available_mb": available_mb(),
+            "idle_busy_cores": idle,
+            "pool_status_p50_ms": ms(status, 0.5), "pool_loop_ms": loop_ms,
+            "processes": procs}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ns", default="100,250,500,1000")
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--paused", type=int, default=20)
+    parser.add_argument("--swap-gb", type=int, default=4,
+                        help="a swap file for the run where the node has none (0: none)")
+    args = parser.parse_args(argv)
+    ns = sorted(int(n) for n in args.ns.split(","))
+    ray.init(num_cpus=2, namespace="sandman-bench", include_dashboard=False,
+             log_to_driver=False)
+    pool = "bench-density-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=LocalProvider(state_root=STATE, cache_root=CACHE),
+                        max_sandboxes=max(ns))
+    out = {"bench": "density", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
+           "steps": {}, "stopped": None}
+    with swap_file(args.swap_gb) as swap:
+        out["swap_file"] = swap
+        try:
+            grow_and_measure(pool, ns, args, out)
+        finally:
+            sandman.shutdown_pool(pool)
+    left = leftovers(pool, STATE)
+    out["left_after_shutdown"] = {k: len(v) for k, v in left.items()}
+    if out["stopped"]:
+        print("stopped at N=%(n)d with %(held)d held: %(error)s" % out["stopped"])
+    out["summary"] = summary(out)
+    print_table(out)
+    print(json.dumps(out))
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if not any(left.values()) else 1
+
+
+def grow_and_measure(pool: str, ns: List[int], args, out: dict) -> None:
+    """Grow the leases step by step, measuring at each N; then release them all and
+    read the handle host idle."""
+    held, rng = [], random.Random(1)
+    loop = asyncio.new_event_loop()  # one loop: its direct connections serve every step
+    try:
+        for n in ns:
+            try:
+                acquires = loop.run_until_complete(grow(pool, held, n))
+            except Exception as exc:  # noqa: BLE001 - where the node stops, and why
+                out["stopped"] = {"n": n, "held": len(held), "available_mb": available_mb(),
+                                  "error": "%s: %s" % (type(exc).__name__, str(exc)[:500])}
+                break
+            step = measure(pool, held, args.samples, args.paused, rng, loop)
+            step.update(acquire_p50_ms=pct(acquires, 0.5) * 1e3,
+                        acquire_p99_ms=pct(acquires, 0.99) * 1e3, acquires=len(acquires),
+                        held=len(held))
+            out["steps"][n] = step
+            print_step(n, step)
+        host = actor_pids(pool, held[0])["host"] if held else None
+        for sb in held:
+            sandman.release(sb)
+        held.clear()
+        if host is not None:
+            out["host_idle"] = dict(threads_and_fds(host), pss_mb=pss_kb([host]) / 1024)
+    finally:
+        for sb in held:
+            try:
+                sandman.release(sb)
+            except Exception:  # noqa: BLE001 - the shutdown deletes it all the same
+                pass
+        loop.close()
+
+
+def print_step(n: int, s: dict) -> None:
+    print("N=%d: acquire %.1f / %.1f ms, exec direct %.2f / %.2f ms, .remote() %.2f / %.2f "
+          "ms, pause %.1f / %.1f ms, resume %.1f / %.1f ms (p50 / p99); PSS per sandbox "
+          "%.2f MB running, %.2f MB paused; available %.0f MB; idle %.2f cores; pool status "
+          "%.1f ms; %s"
+          % (n, s["acquire_p50_ms"], s["acquire_p99_ms"], s["exec_direct_p50_ms"],
+             s["exec_direct_p99_ms"], s["exec_remote_p50_ms"], s["exec_remote_p99_ms"],
+             s["pause_p50_ms"], s["pause_p99_ms"], s["resume_p50_ms"], s["resume_p99_ms"],
+             s["pss_mb_per_sandbox_running"], s["pss_mb_per_sandbox_paused"],
+             s["available_mb"], s["idle_busy_cores"], s["pool_status_p50_ms"],
+             ", ".join("%s %.0f MB %d threads %d fds" % (k, v["pss_mb"], v["threads"], v["fds"])
+                       for k, v in sorted(s["processes"].items()))), flush=True)
+
+
+def summary(out: dict) -> dict:
+    """What the steps add up to: the largest N held, the ratios of its p99s to those of
+    the smallest N, pauses at the N nearest 500, and the handle host per held lease
+    (its PSS at the largest N less that at the smallest, over the leases between)."""
+    steps = {int(n): s for n, s in out["steps"].items()}
+    if not steps:
+        return {}
+    low, high = min(steps), max(steps)
+    mid = min(steps, key=lambda n: abs(n - 500))
+    a, b = steps[low], steps[high]
+    host = lambda s: s["processes"]["host"]["pss_mb"]  # noqa: E731
+    return {"largest_n": high, "smallest_n": low, "pause_at_n": mid,
+            "pause_p50_ms": steps[mid]["pause_p50_ms"], "pause_p99_ms": steps[mid]["pause_p99_ms"],
+            "resume_p50_ms": steps[mid]["resume_p50_ms"],
+            "resume_p99_ms": steps[mid]["resume_p99_ms"],
+            "acquire_p99_ratio": b["acquire_p99_ms"] / a["acquire_p99_ms"],
+            "exec_direct_p99_ratio": b["exec_direct_p99_ms"] / a["exec_direct_p99_ms"],
+            "exec_remote_p99_ratio": b["exec_remote_p99_ms"] / a["exec_remote_p99_ms"],
+            "pss_mb_per_paused_sandbox": b["pss_mb_per_sandbox_paused"],
+            "host_kb_per_lease": (host(b) - host(a)) * 1024 / max(high - low, 1),
+            "host_threads_at_largest_n": b["processes"]["host"]["threads"]}
+
+
+def print_table(out: dict) -> None:
+    rows = [("N", "acquire p50/p99", "exec direct", "exec .remote()", "pause", "resume",
+             "PSS run/paused MB", "free MB", "idle cores", "tick p50/p99", "host MB/thr/fds",
+             "agent MB/fds")]
+    for n, s in sorted(out["steps"].items(), key=lambda kv: int(kv[0])):
+        tick = s["pool_loop_ms"].get("tick", {})
+        host, agent = s["processes"]["host"], s["processes"]["agent"]
+        pair = lambda key: "%.1f / %.1f" % (s[key + "_p50_ms"], s[key + "_p99_ms"])  # noqa: E731
+        rows.append((str(n), pair("acquire"), pair("exec_direct"), pair("exec_remote"),
+                     pair("pause"), pair("resume"), "%.2f / %.2f" % (
+                         s["pss_mb_per_sandbox_running"], s["pss_mb_per_sandbox_paused"]),
+                     "%.0f" % s["available_mb"], "%.2f" % s["idle_busy_cores"], "%.2f / %.1f" % (
+                         tick.get("p50_ms", float("nan")), tick.get("p99_ms", float("nan"))),
+                     "%.0f / %d / %d" % (host["pss_mb"], host["threads"], host["fds"]),
+                     "%.0f / %d" % (agent["pss_mb"], agent["fds"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    for key, value in out.get("summary", {}).items():
+        print("%-28s %s" % (key, "%.2f" % value if isinstance(value, float) else value))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

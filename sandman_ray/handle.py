@@ -23,7 +23,9 @@ from sandman_ray.daemon.sandmand.wire import CodecError, pack
 from sandman_ray.direct import Direct, Unreachable
 from sandman_ray.errors import LeaseEnded, SandboxPaused
 from sandman_ray.host import DESCRIBED, FORWARDED, STREAMED
-from sandman_ray.lookup import call_pool, call_pool_async, forget_named, get_named, get_pool
+from sandman_ray import control
+from sandman_ray.lookup import (
+    call_pool, call_pool_async, forget_named, get_named, get_pool, session_cache)
 
 
 class _Method:
@@ -301,18 +303,18 @@ class SandboxHandle:
         """A pause (or resume) by the sandbox's node controller, with the lease's token,
         when this process holds the token (a direct connection), and the pool told at
         the same time (it spares a paused lease its idle timeout, and says whether the
-        lease still holds): their two calls and whether to wait for the pool's; None:
-        ask the pool to do it."""
+        lease still holds): what to ask, the controller, and the pool's answer to come;
+        None: ask the pool to do it. The controller is asked on its control socket
+        (sandman_ray.control) where it has one, else by a Ray call."""
         direct = self._direct
         if self._controller is None or direct is None or direct.ended:
             return None
         controller = get_named(self._controller)
         if controller is None:
             return None
-        method = controller.pause_held if pause else controller.resume_held
-        return (method.remote(self.sandbox, direct.token, *args),
-                get_pool(self.pool).note_paused.remote(self.lease_id, self._host_name, pause),
-                not pause)  # whether to wait for the pool's word
+        note = get_pool(self.pool).note_paused.remote(self.lease_id, self._host_name, pause)
+        return ("pause" if pause else "resume", (self.sandbox, direct.token) + args,
+                controller, note)
 
     def _got(self, calls: Optional[tuple]) -> bool:
         """Whether the controller did it (False: none, one gone, or a token it no
@@ -321,25 +323,49 @@ class SandboxHandle:
         yet reset, took the token (a pause done then is undone by the reset)."""
         if calls is None:
             return False
+        op, args, controller, note = calls
         try:
-            done = ray.get(calls[0])
+            path = _control_paths.get(self._controller, _UNKNOWN)
+            if path is _UNKNOWN:
+                try:
+                    path = ray.get(controller.control_address.remote())
+                except ray.exceptions.RayTaskError:  # it could not serve one: Ray calls
+                    path = None
+                _control_paths[self._controller] = path
+            done = None if path is None else control.ask(path, op, *args)
+            if done is None:
+                if path is not None:  # gone: asked for again next time
+                    _control_paths.pop(self._controller, None)
+                done = ray.get(getattr(controller, op + "_held").remote(*args))
         except ray.exceptions.RayActorError:
             forget_named(self._controller)
             return False
-        if done and calls[2]:
-            self._still_held(ray.get(calls[1]))
+        if done and op == "resume":
+            self._still_held(ray.get(note))
         return done
 
     async def _got_async(self, calls: Optional[tuple]) -> bool:
         if calls is None:
             return False
+        op, args, controller, note = calls
         try:
-            done = await calls[0]
+            path = _control_paths.get(self._controller, _UNKNOWN)
+            if path is _UNKNOWN:
+                try:
+                    path = await controller.control_address.remote()
+                except ray.exceptions.RayTaskError:
+                    path = None
+                _control_paths[self._controller] = path
+            done = None if path is None else await control.ask_async(path, op, *args)
+            if done is None:
+                if path is not None:
+                    _control_paths.pop(self._controller, None)
+                done = await getattr(controller, op + "_held").remote(*args)
         except ray.exceptions.RayActorError:
             forget_named(self._controller)
             return False
-        if done and calls[2]:
-            self._still_held(await calls[1])
+        if done and op == "resume":
+            self._still_held(await note)
         return done
 
     def _still_held(self, why: Optional[str]) -> None:
@@ -367,6 +393,11 @@ class SandboxHandle:
 
     def __repr__(self) -> str:
         return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
+
+
+# this process's paths of node controllers' control sockets (None: one has none)
+_control_paths = session_cache({})
+_UNKNOWN = object()
 
 
 def _rebuilt(host, lease_id, sandbox_id, node_id, pool, host_name, auto_resume,

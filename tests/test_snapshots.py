@@ -241,6 +241,85 @@ def test_a_holder_pauses_through_its_node_s_agent_which_takes_the_lease_s_token_
         assert again.exec("echo mine").stdout == b"mine\n"
 
 
+def test_the_agent_s_control_socket_pauses_for_the_token_alone_and_refuses_garbage(pool):
+    """The holder's pause goes to its node agent's control socket (sandman_ray.control),
+    no Ray call; the socket is root's alone, unseen inside the sandbox, takes the
+    lease's token only, and answers garbage (bad JSON, wrong types, a line past its
+    limit, a half line) with an error or nothing, the sandbox running on."""
+    import socket
+    import stat
+    from sandman_ray import control
+    from sandman_ray.handle import _control_paths
+    with sandman.sandbox(pool=pool, timeout=120) as sb:
+        sb.pause()
+        path = _control_paths[sb._controller]
+        assert path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert freezer_state(pool, sb.sandbox) == "FROZEN"
+        sb.resume()
+        assert freezer_state(pool, sb.sandbox) == "THAWED"
+        token = sb._direct.token
+        for wrong in ("", "0" * len(token), token[:-1], token + "0"):
+            assert control.ask(path, "pause", sb.sandbox, wrong) is False
+        assert control.ask(path, "pause", "no-such-sandbox", token) is False
+        for garbage in (b"not json\n", b"[1, 2]\n", b'{"op": "kill", "sandbox": "x", '
+                        b'"token": "y"}\n', b'{"op": "pause", "sandbox": 1, "token": "y"}\n',
+                        json.dumps({"op": "pause", "sandbox": sb.sandbox, "token": token,
+                                    "reclaim": "yes"}).encode() + b"\n",
+                        b"x" * (control.REQUEST_LIMIT + 10) + b"\n", b'{"op": "pau'):
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.settimeout(control.READ_TIMEOUT_S + 5)
+                conn.connect(path)
+                try:
+                    conn.sendall(garbage)
+                    conn.shutdown(socket.SHUT_WR)
+                    answer = b"".join(iter(lambda: conn.recv(4096), b""))
+                except ConnectionResetError:  # dropped with the rest of its line unread
+                    answer = b""
+            assert answer == b"" or b"ProtocolError" in answer, (garbage[:40], answer)
+        assert freezer_state(pool, sb.sandbox) == "THAWED"
+        inside = sb.exec(["sh", "-c", "test -e %s || ls %s" % (path, os.path.dirname(path))])
+        assert inside.exit_code != 0, inside
+        assert sb.exec("echo on").stdout == b"on\n"
+        assert control.ask(path, "pause", sb.sandbox, token) is True  # the token alone
+        assert freezer_state(pool, sb.sandbox) == "FROZEN"
+        assert control.ask(path, "resume", sb.sandbox, token) is True
+        assert sb.exec("echo still").stdout == b"still\n"
+
+
+def test_pauses_with_an_ended_lease_s_token_during_its_reset_never_freeze_the_next(pool):
+    """A holder keeps pausing through the control socket with its token while its
+    release resets the sandbox: from the reset's first step on the token is refused,
+    so the next holder gets the sandbox running (before, a pause that waited on the
+    reset's lock froze it after the reset's thaw)."""
+    import threading
+    from sandman_ray import control
+    from sandman_ray.handle import _control_paths
+    sb = sandman.acquire(pool=pool, timeout=120)
+    sb.pause()
+    sb.resume()
+    path, token, sandbox_id = _control_paths[sb._controller], sb._direct.token, sb.sandbox
+    stop, answers = threading.Event(), []
+
+    def hammer():
+        while not stop.is_set():
+            answers.append(control.ask(path, "pause", sandbox_id, token))
+    threads = [threading.Thread(target=hammer)]
+    for t in threads:
+        t.start()
+    try:
+        sandman.release(sb)
+        with sandman.sandbox(pool=pool, timeout=120) as again:
+            stop.set()
+            for t in threads:
+                t.join()
+            assert again.sandbox == sandbox_id
+            assert freezer_state(pool, again.sandbox) == "THAWED"
+            assert again.exec("echo mine").stdout == b"mine\n"
+    finally:
+        stop.set()
+    assert answers and answers[-1] is False, answers[-5:]
+
+
 def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):
     pool = make_pool(idle_timeout_s=10)
     try:

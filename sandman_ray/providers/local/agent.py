@@ -100,6 +100,7 @@ class NodeAgent:
         self.creating = SingleFlight()  # a retried create joins the one in flight
         self.fetching = SingleFlight()  # snapshots being brought from another node
         self.locks: Dict[str, asyncio.Lock] = {}  # sandbox id -> its snapshot/pause lock
+        self.resetting = set()  # sandboxes being reset: no holder's token is taken
         # copies run on threads of their own: a slow one never holds up creates
         self.capturing = ThreadPoolExecutor(2, thread_name_prefix="sandman-snapshot")
         self.captures = set()  # copies in flight (a shutdown waits for them)
@@ -110,6 +111,8 @@ class NodeAgent:
         self.renewing = None  # a NamespaceThread, made on the first renew
         self.closed = False  # shut down: no sandbox may start or stay
         self.budget_watch = None  # budgets.watch, started with the first sandbox
+        self.control = None  # the control socket's server (control_address starts it)
+        self.control_lock = asyncio.Lock()
 
     def _remove_leftovers(self) -> None:
         """What a dead agent of this pool and node left: its sandboxes died with it,
@@ -250,9 +253,19 @@ class NodeAgent:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
-        async with self._lock(sandbox_id):  # after a snapshot under way
+        async with self._lock(sandbox_id):  # after a snapshot or pause under way
+            # the lease's token is refused from here on, before the new one exists: a
+            # pause of the lease that ended must not freeze the next holder's sandbox
+            self.resetting.add(sandbox_id)
             if sandbox.cgroups is not None and sandbox.cgroups.frozen():
                 sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
+        try:
+            return await self._reset(sandbox)
+        finally:
+            self.resetting.discard(sandbox_id)
+
+    async def _reset(self, sandbox) -> SandboxInfo:
+        sandbox_id = sandbox.sandbox_id
         if sandbox.renewable and sandbox.layer is not None:
             from sandman_ray.providers.local.renew import NamespaceThread
             self.renewing = self.renewing or NamespaceThread()
@@ -382,15 +395,20 @@ class NodeAgent:
                                 % (ref, ", ".join(users)))
         await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete, name)
 
-    async def pause(self, sandbox_id: str, reclaim: bool = False) -> None:
+    async def pause(self, sandbox_id: str, reclaim: bool = False,
+                    token: Optional[str] = None) -> bool:
         """Freeze every process of the sandbox (the cgroup freezer): no CPU, memory kept;
-        with ``reclaim``, then push its memory out (Cgroups.reclaim)."""
+        with ``reclaim``, then push its memory out (Cgroups.reclaim). With ``token``,
+        only while the sandbox takes it (checked again under the sandbox's lock, so
+        that a reset begun meanwhile wins): False when it does not."""
         sandbox = self._sandbox(sandbox_id, "pause")
         if sandbox.cgroups is None or not sandbox.cgroups.can_freeze:
             raise NotSupported("pause of sandbox %s needs a freezer cgroup, which this "
                                "agent has not (an agent that is not root, or a host "
                                "without the freezer)" % sandbox_id)
         async with self._lock(sandbox_id):
+            if token is not None and not self._takes(sandbox_id, token):
+                return False
             loop = asyncio.get_running_loop()
             try:
                 await loop.run_in_executor(None, sandbox.cgroups.freeze)
@@ -403,12 +421,16 @@ class NodeAgent:
                 except OSError as exc:  # it stays paused, with its memory
                     logger.warning("pool %s: reclaim of paused sandbox %s: %s", self.pool,
                                    sandbox_id, exc)
+        return True
 
-    async def resume(self, sandbox_id: str) -> None:
+    async def resume(self, sandbox_id: str, token: Optional[str] = None) -> bool:
         sandbox = self._sandbox(sandbox_id, "resume")
-        if sandbox.cgroups is not None:
-            async with self._lock(sandbox_id):
+        async with self._lock(sandbox_id):
+            if token is not None and not self._takes(sandbox_id, token):
+                return False
+            if sandbox.cgroups is not None:
                 sandbox.cgroups.thaw()
+        return True
 
     async def pause_held(self, sandbox_id: str, token: str, reclaim: bool = False) -> bool:
         """``pause`` for the holder of the sandbox's lease, who shows its token (a
@@ -416,19 +438,35 @@ class NodeAgent:
         token, or a sandbox not here (LocalProvider.controller)."""
         if not self._takes(sandbox_id, token):
             return False
-        await self.pause(sandbox_id, reclaim)
-        return True
+        return await self.pause(sandbox_id, reclaim, token)
 
     async def resume_held(self, sandbox_id: str, token: str) -> bool:
         if not self._takes(sandbox_id, token):
             return False
-        await self.resume(sandbox_id)
-        return True
+        return await self.resume(sandbox_id, token)
+
+    async def control_address(self) -> Optional[str]:
+        """The unix socket where holders on this node pause and resume their sandboxes
+        (sandman_ray.control: ``pause_held`` and ``resume_held`` without a Ray call),
+        served from the first ask on; None where its path would be too long."""
+        from sandman_ray import control
+        path = str(self.state / "control.sock")
+        async with self.control_lock:
+            if self.control is None and not self.closed:
+                self.control = await control.serve(path, self._controlled) or False
+        return path if self.control and not self.closed else None
+
+    async def _controlled(self, op: str, sandbox_id: str, token: str, reclaim: bool) -> bool:
+        if op == "pause":
+            return await self.pause_held(sandbox_id, token, reclaim)
+        return await self.resume_held(sandbox_id, token)
 
     def _takes(self, sandbox_id: str, token: str) -> bool:
         sandbox = self.sandboxes.get(sandbox_id)
-        return sandbox is not None and isinstance(token, str) and \
-            hmac.compare_digest(sandbox.token.encode(), token.encode())
+        if sandbox is None or not isinstance(token, str) or sandbox_id in self.resetting:
+            return False
+        return hmac.compare_digest(sandbox.token.encode(),
+                                   token.encode("utf-8", "surrogatepass"))
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()
@@ -440,6 +478,8 @@ class NodeAgent:
         are removed as they finish); returns how many there were. No create starts
         afterwards."""
         self.closed = True
+        if self.control:
+            self.control.close()
         await asyncio.gather(*self.creating.running.values(), *self.captures,
                              return_exceptions=True)
         ids = list(self.sandboxes)

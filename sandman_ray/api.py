@@ -14,7 +14,7 @@ from sandman_ray.direct import Direct
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
-from sandman_ray.lookup import current, forget_pool, get_pool, session_cache
+from sandman_ray.lookup import current, forget_pool, get_pool, looked_up_again, session_cache
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX
 from sandman_ray.pool.states import reachable
@@ -67,9 +67,16 @@ def shutdown_pool(name: str = "default") -> int:
     """Delete every sandbox of the pool and stop it; returns how many were deleted."""
     pool = get_pool(name)
     try:
-        return ray.get(pool.shutdown.remote())
+        try:
+            return ray.get(pool.shutdown.remote())
+        except ray.exceptions.ActorDiedError:  # a cached actor, the pool created anew since
+            pool = looked_up_again(name, pool)
+            if pool is None:
+                raise
+            return ray.get(pool.shutdown.remote())
     finally:  # also when the provider could not delete everything: the error says so
-        ray.kill(pool, no_restart=True)
+        if pool is not None:
+            ray.kill(pool, no_restart=True)
         forget_pool(name)
 
 
@@ -234,6 +241,8 @@ def _leased(actor, host: _Host, node: str, pool: str, spec: SpecLike,
             if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
                 raise
             time.sleep(_restart_wait(attempt))
+        except ray.exceptions.ActorDiedError as exc:
+            actor = _pool_again(pool, actor, attempt, exc)
 
 
 async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike,
@@ -248,6 +257,18 @@ async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike
             if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(_restart_wait(attempt))
+        except ray.exceptions.ActorDiedError as exc:
+            actor = _pool_again(pool, actor, attempt, exc)
+
+
+def _pool_again(pool: str, actor, attempt: int, exc: BaseException):
+    """The pool's actor looked up once more, when the one this process cached died for
+    good (the pool shut down and created anew, by another process perhaps); the
+    error again where it is the same actor, or on a last attempt."""
+    fresh = looked_up_again(pool, actor) if attempt + 1 < POOL_CALL_ATTEMPTS else None
+    if fresh is None:
+        raise exc
+    return fresh
 
 
 def _restart_wait(attempt: int) -> float:

@@ -24,11 +24,11 @@ import shlex
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
-import ray
-
 from sandman_ray.api import SpecLike, acquire_async, get_pool, release_async
 from sandman_ray.handle import SandboxHandle
+from sandman_ray.lookup import call_pool, call_pool_async
 from sandman_ray.spec import SandboxSpec
+
 
 def _pool_of(handle: SandboxHandle):
     if not isinstance(handle, SandboxHandle):
@@ -41,13 +41,15 @@ def snapshot(handle: SandboxHandle, name: Optional[str] = None) -> str:
     """Capture ``handle``'s files as a snapshot of its pool; the image reference that
     starts sandboxes from it (``SandboxSpec(image=...)``, ``acquire(...)``). ``name``:
     1 to 63 letters, digits, '.', '_' or '-' (default: a new one)."""
-    return ray.get(_snapshot_ref(handle, name, for_fork=False))["image"]
+    _pool_of(handle)
+    return call_pool(handle.pool, "snapshot", handle.lease_id, handle._host_name, name,
+                     False)["image"]
 
 
 def snapshots(pool: str = "default") -> List[dict]:
     """The pool's snapshots: name, image, base, size_bytes, node_id, source,
     created_at, and the sandboxes started from each (``sandboxes``)."""
-    return ray.get(get_pool(pool).snapshots.remote())
+    return call_pool(pool, "snapshots")
 
 
 def delete_snapshot(snapshot: str, pool: Optional[str] = None) -> None:
@@ -59,7 +61,7 @@ def delete_snapshot(snapshot: str, pool: Optional[str] = None) -> None:
             raise ValueError("delete_snapshot(%r): give the snapshot's image reference "
                              "(snapshot:<pool>/<name>) or its pool" % (snapshot,))
         pool = snapshot[len("snapshot:"):].partition("/")[0]
-    ray.get(get_pool(pool).delete_snapshot.remote(snapshot))
+    call_pool(pool, "delete_snapshot", snapshot)
 
 
 def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
@@ -70,18 +72,12 @@ def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
     if pool is None:
         pool = image[len("snapshot:"):].partition("/")[0] \
             if image.startswith("snapshot:") else "default"
-    return ray.get(get_pool(pool).set_warm.remote(spec, count))
+    return call_pool(pool, "set_warm", spec, count)
 
 
 def _check_count(n) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
-
-
-def _snapshot_ref(handle: SandboxHandle, name: Optional[str], for_fork: bool):
-    """The pool's ``snapshot`` call for the holder of ``handle`` (an ObjectRef)."""
-    return _pool_of(handle).snapshot.remote(handle.lease_id, handle._host_name, name,
-                                            for_fork)
 
 
 def _fork_spec(info: dict) -> SandboxSpec:
@@ -110,8 +106,10 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
                      keep_snapshot: bool = False) -> List[SandboxHandle]:
     """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
     _check_count(n)
+    _pool_of(handle)
     state = _session_state(await handle.run_async(SESSION_STATE))
-    spec = _fork_spec(await _snapshot_ref(handle, None, for_fork=not keep_snapshot))
+    spec = _fork_spec(await call_pool_async(handle.pool, "snapshot", handle.lease_id,
+                                            handle._host_name, None, not keep_snapshot))
     got = await asyncio.gather(*(acquire_async(spec, handle.pool, timeout) for _ in range(n)),
                                return_exceptions=True)
     forks = [sb for sb in got if isinstance(sb, SandboxHandle)]

@@ -125,7 +125,9 @@ class _HandleHost:
 
     def _tell_pool(self, pool: str, method: str, *args):
         """A call to the pool, asked again while Ray restarts it (a release that is
-        lost would leave the lease held by this live host for good)."""
+        lost would leave the lease held by this live host for good); a cached handle
+        found dead is looked up once more (the pool shut down and created anew)."""
+        looked_again = False
         for attempt in range(POOL_CALL_ATTEMPTS):
             try:
                 return ray.get(getattr(self._pool(pool), method).remote(*args))
@@ -133,9 +135,16 @@ class _HandleHost:
                 if attempt + 1 == POOL_CALL_ATTEMPTS:
                     raise
                 time.sleep(min(0.05 * 2 ** attempt, 1.0))  # back off while it restarts
-            except ray.exceptions.RayActorError:
-                self.pools.pop(pool, None)  # perhaps shut down and created again
-                raise
+            except ray.exceptions.RayActorError as exc:
+                dead = self.pools.pop(pool, None)
+                if looked_again or dead is None:
+                    raise
+                looked_again = True
+                try:
+                    if self._pool(pool)._actor_id == dead._actor_id:
+                        raise
+                except ValueError:  # no pool of that name any more
+                    raise exc from None
 
     @ray.method(concurrency_group="control")
     def take(self, lease) -> bool:

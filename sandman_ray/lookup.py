@@ -65,7 +65,7 @@ def forget_pool(name: str, pool: Optional[object] = None) -> None:
             _pools.pop(name, None)
 
 
-def _looked_up_again(name: str, pool):
+def looked_up_again(name: str, pool):
     """The pool's handle looked up anew, once ``pool`` (a cached one) turned out dead;
     None when it is the same actor (the pool itself is gone)."""
     forget_pool(name, pool)
@@ -80,7 +80,7 @@ def call_pool(name: str, method: str, *args):
     try:
         return ray.get(getattr(pool, method).remote(*args))
     except ray.exceptions.RayActorError:
-        fresh = _looked_up_again(name, pool)
+        fresh = looked_up_again(name, pool)
         if fresh is None:
             raise
         return ray.get(getattr(fresh, method).remote(*args))
@@ -92,7 +92,7 @@ async def call_pool_async(name: str, method: str, *args):
     try:
         return await getattr(pool, method).remote(*args)
     except ray.exceptions.RayActorError:
-        fresh = _looked_up_again(name, pool)
+        fresh = looked_up_again(name, pool)
         if fresh is None:
             raise
         return await getattr(fresh, method).remote(*args)

@@ -230,6 +230,24 @@ def busybox_rootfs():
     return build_busybox_rootfs(CACHE / "images" / "busybox")
 
 
+@pytest.fixture(scope="session")
+def busybox_image(busybox_rootfs):
+    """The busybox rootfs as an image reference."""
+    return "dir:%s" % busybox_rootfs
+
+
+def local_ray(namespace: str):
+    """The body of a module's ``cluster`` fixture (``yield from local_ray(...)``): a
+    local Ray of 2 CPUs in ``namespace``; yields its GCS address."""
+    import ray
+    require_bwrap()
+    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
 LOCAL_STATE = "/tmp/sandman-ray-test/state"
 LOCAL_CACHE = str(ROOT / ".cache" / "provider")
 

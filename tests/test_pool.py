@@ -17,7 +17,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
 from conftest import (
-    ROOT, exercise_handle, holding_driver, require_bwrap, restart_keeps_specs, unique_pool,
+    ROOT, exercise_handle, holding_driver, local_ray, restart_keeps_specs, unique_pool,
     wait_until)
 
 STATE = "/tmp/sandman-ray-test/pool-state"
@@ -26,10 +26,7 @@ CACHE = str(ROOT / ".cache" / "provider")
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-pool-tests")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    yield from local_ray("sandman-pool-tests")
 
 
 @pytest.fixture(scope="module")

@@ -502,3 +502,26 @@ def test_a_lease_asked_on_a_node_is_served_there_only():
         with pytest.raises(ValueError, match="not an alive Ray node"):
             await pool.lease(SPEC, "c1", 5, node="node-z")
     run(main())
+
+
+def test_the_reasons_of_ended_leases_are_kept_for_a_while_not_for_a_count():
+    """A pool that lends lease after lease keeps the reasons of those that ended in the
+    last keep_s seconds (a late call, an offer or a retried acquire comes within
+    seconds), at most kept of them: what it holds stays level however many end."""
+    from sandman_ray.pool.states import EndedLeases
+    now = [0.0]
+    ended = EndedLeases(kept=1000, keep_s=60.0, clock=lambda: now[0])
+    for i in range(100000):  # 100 leases a second for 1,000 s
+        ended.note("L-%d" % i, "released by its holder")
+        now[0] += 0.01
+        if i == 5000:
+            assert ended["L-4999"] == "released by its holder"
+    assert len(ended) == len(ended.noted) == 1000  # the count's bound: 60 s hold 6,000
+    assert "L-99999" in ended and "L-98999" not in ended
+    ended = EndedLeases(kept=100000, keep_s=60.0, clock=lambda: now[0])
+    for i in range(10000):
+        ended.note("L-%d" % i, "reclaimed")
+        now[0] += 0.1
+    assert 599 <= len(ended) <= 601 and "L-9999" in ended and "L-1000" not in ended
+    ended.note("L-9999", "noted again")  # the newest once more: still one entry
+    assert list(ended)[-1] == "L-9999" and ended["L-9999"] == "noted again"

@@ -42,14 +42,16 @@ def over_budget(parent: Path, sandboxes: Iterable) -> list:
     """The sandboxes (of those given: each with ``cgroups`` and ``spec``) whose socket
     buffers pass their memory limit; reads the parent's usage first and stops there
     while it is below every limit."""
-    limited = [(sb, sb.cgroups.memory_dir()) for sb in sandboxes
-               if sb.cgroups is not None and sb.cgroups.applied.get("memory") == "cgroup-v1"
-               and sb.spec.memory]
-    if not limited:
+    sandboxes = [sb for sb in sandboxes if sb.cgroups is not None and sb.spec.memory]
+    if not sandboxes:
         return []
+    # the usual round: one file read, and the smallest limit (of a few more sandboxes
+    # than those held in v1 memory groups: smaller, never larger)
     total = socket_bytes(parent)
-    if total is not None and total <= min(sb.spec.memory for sb, _ in limited):
+    if total is not None and total <= min(sb.spec.memory for sb in sandboxes):
         return []
+    limited = [(sb, sb.cgroups.memory_dir()) for sb in sandboxes
+               if sb.cgroups.applied.get("memory") == "cgroup-v1"]
     return [sb for sb, group in limited
             if group is not None and (socket_bytes(group) or 0) > sb.spec.memory]
 

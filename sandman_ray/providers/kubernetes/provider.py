@@ -59,7 +59,9 @@ from typing import Any, Dict, List, Optional
 from sandman_ray.errors import NotSupported, ProviderError
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, check_answers, fatal,
-    throttled, transient)
+    transient)
+from sandman_ray.providers.kubernetes.status import (
+    api_error, http_status, pending_reason, retry_after_s, stuck_reason)
 from sandman_ray.spec import SandboxSpec, parse_image
 
 logger = logging.getLogger(__name__)
@@ -81,9 +83,6 @@ NO_SNAPSHOT = ("a pod's files cannot be captured through the Kubernetes API: a s
 NO_PAUSE = ("a pod's processes cannot be paused through the Kubernetes API: a pause needs "
             "the kubelet to freeze the pod's cgroup (the container runtime's pause), which "
             "no Kubernetes API offers; delete the sandbox, or keep it running")
-BAD_IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName",
-                     "ErrImageNeverPull", "CreateContainerConfigError",
-                     "CreateContainerError")
 
 
 def label_value(text: str) -> str:
@@ -116,39 +115,6 @@ def merge(base: Any, extra: Any) -> Any:
                 else copy.deepcopy((base + extra[len(base):])[i])
                 for i in range(max(len(base), len(extra)))]
     return copy.deepcopy(extra)
-
-
-def api_error(exc: BaseException, what: str) -> Exception:
-    """A client exception as a ProviderError whose kind paces the pool."""
-    from kubernetes.client.exceptions import ApiException
-    if isinstance(exc, ApiException):
-        reason = _status_message(exc)
-        if exc.status == 429:
-            return throttled("%s: the API server asks to slow down: %s" % (what, reason))
-        if exc.status == 0 or exc.status >= 500:
-            return transient("%s: API server error %s: %s" % (what, exc.status, reason))
-        if exc.status in (401, 403):
-            return fatal("%s: the API server refused the provider's credentials (%s): %s "
-                         "(see cluster_configs/rbac.yaml)" % (what, exc.status, reason))
-        return fatal("%s: the API server refused it (%s): %s" % (what, exc.status, reason))
-    import urllib3.exceptions
-    if isinstance(exc, (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError)):
-        return transient("%s: the API server is unreachable or slow: %s" % (what, exc))
-    return fatal("%s: %s: %s" % (what, type(exc).__name__, exc))
-
-
-def _status_message(exc) -> str:
-    try:
-        return json.loads(exc.body).get("message") or exc.reason
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)
-
-
-def _retry_after_s(exc) -> float:
-    try:
-        return max(0.0, float((exc.headers or {}).get("Retry-After", 1)))
-    except (TypeError, ValueError):
-        return 1.0
 
 
 class KubernetesProvider(Provider):
@@ -258,7 +224,7 @@ class KubernetesProvider(Provider):
                 if isinstance(exc, ApiException) and exc.status == 429:
                     self.stats["throttled"] += 1
                     self._not_before = max(self._not_before,
-                                           time.monotonic() + _retry_after_s(exc))
+                                           time.monotonic() + retry_after_s(exc))
                 raise api_error(exc, what) from exc
 
     # ---- the watch
@@ -420,7 +386,7 @@ class KubernetesProvider(Provider):
                                  self.namespace, pod, _preload_content=False,
                                  _request_timeout=self.request_timeout_s)
             except ProviderError as exc:
-                if _status(exc) != 409:
+                if http_status(exc) != 409:
                     raise
                 # an earlier attempt got through (its answer was lost or late): adopt
                 # that pod if it is this pool's sandbox of this id
@@ -445,7 +411,7 @@ class KubernetesProvider(Provider):
             raw = await self._call("get pod %s" % name, self.api().read_namespaced_pod, name,
                                    self.namespace, _preload_content=False)
         except ProviderError as exc:
-            if _status(exc) == 404:
+            if http_status(exc) == 404:
                 return None
             raise
         return json.loads(raw.data)
@@ -463,7 +429,7 @@ class KubernetesProvider(Provider):
                 status = pod.get("status") or {}
                 if status.get("phase") == "Running" and status.get("podIP"):
                     return self._info(pod)
-                problem = _stuck_reason(pod)
+                problem = stuck_reason(pod)
                 if problem is not None:
                     await self._delete_pod(name)
                     raise fatal("sandbox %s: pod %s cannot start: %s" % (sandbox_id, name, problem))
@@ -477,7 +443,7 @@ class KubernetesProvider(Provider):
                 await self._delete_pod(name)
                 failure = fatal if self.stuck_policy == "fail" else transient
                 raise failure("sandbox %s: pod %s not running after %.0f s (%s); deleted%s" % (
-                    sandbox_id, name, self.pending_timeout_s, _pending_reason(pod),
+                    sandbox_id, name, self.pending_timeout_s, pending_reason(pod),
                     "" if self.stuck_policy == "fail" else ", the pool replaces it"))
             event.clear()
             try:
@@ -491,7 +457,7 @@ class KubernetesProvider(Provider):
                              self.namespace, grace_period_seconds=0,
                              propagation_policy="Background", _preload_content=False)
         except ProviderError as exc:
-            if _status(exc) != 404:
+            if http_status(exc) != 404:
                 raise
 
     async def delete(self, sandbox_id: str) -> None:
@@ -568,34 +534,5 @@ def _unblock(stream) -> None:
             pass
 
 
-def _status(exc: ProviderError) -> Optional[int]:
-    """The HTTP status of the API error behind ``exc``, if it came from one."""
-    return getattr(exc.__cause__, "status", None)
-
-
 class _Relist(Exception):
     """The watch's resourceVersion expired: list again."""
-
-
-def _stuck_reason(pod: dict) -> Optional[str]:
-    """Why a pod can never start (its image), or None."""
-    status = pod.get("status") or {}
-    for entry in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
-        waiting = (entry.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in BAD_IMAGE_REASONS:
-            return "%s: %s" % (waiting["reason"], waiting.get("message", ""))
-    return None
-
-
-def _pending_reason(pod: Optional[dict]) -> str:
-    if pod is None:
-        return "never seen by the watch"
-    status = pod.get("status") or {}
-    for condition in status.get("conditions") or []:
-        if condition.get("status") == "False" and condition.get("reason"):
-            return "%s: %s" % (condition["reason"], condition.get("message", ""))
-    for entry in status.get("containerStatuses") or []:
-        waiting = (entry.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason"):
-            return waiting["reason"]
-    return "phase %s" % status.get("phase", "unknown")

@@ -1,9 +1,15 @@
 """What the sections of bench/run_all.py share: where their sandboxes live, the
-environment of the commands they spawn, and the percentile every table reports."""
+environment of the commands they spawn, the percentile every table reports, the CPU
+a process or the machine used, and waiting on a pool."""
 
+import os
+import time
 from pathlib import Path
-from typing import List
+from typing import Callable, List
 
+import ray
+
+import sandman_ray as sandman
 from sandman_ray.providers.local import LocalProvider
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,3 +25,29 @@ def pct(values: List[float], q: float) -> float:
 
 def provider() -> LocalProvider:
     return LocalProvider(state_root=STATE, cache_root=CACHE)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` has used."""
+    with open("/proc/%d/stat" % pid) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks() -> int:
+    """The machine's busy CPU time so far, in clock ticks."""
+    with open("/proc/stat") as fh:
+        fields = [int(v) for v in fh.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+
+def states(pool: str) -> dict:
+    return ray.get(sandman.get_pool(pool).status.remote())["states"]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out waiting for %s" % what)
+        time.sleep(0.2)

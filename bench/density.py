@@ -1,6 +1,7 @@
 """How many leased sandboxes one node holds, and what each costs, running and paused.
 
-    python bench/density.py [--ns 100,250,500,1000] [--samples 100] [--paused 20]
+    python bench/density.py [--ns 100,250,500,1000] [--samples 100] [--exec-samples 1000]
+                            [--paused 20]
 
 On a local Ray with the LocalProvider and ``builtin:debian``, one pool leases N
 sandboxes to this driver, each with a live shell session (``run``) and a sleeping
@@ -8,10 +9,12 @@ background process (``spawn``), growing N step by step. At each N: the acquires 
 the step (p50, p99), ``exec true`` on random sandboxes directly and through
 ``.remote()``, pause and resume of random sandboxes (the handle's ``pause()`` /
 ``resume()``), PSS per sandbox running (every process of every sandbox, from the
-host's /proc) and paused (``pause(reclaim=True)`` on ``--paused`` of them), the node's
+host's /proc) and paused (``pause(reclaim=True)`` on ``--paused`` of them, then
+resumed: their first call is timed, and later steps pick among the others), the node's
 available memory, and the threads and open files of the pool's actor, the node agent
 and the handle host. Where a step cannot be reached, the run says at which N and why,
 and stops there. Prints a table and a JSON line; writes bench/results/density.json.
+(``make bench`` runs it as its density section: ``density``, ``rows``.)
 """
 
 import argparse
@@ -31,7 +34,7 @@ from typing import Dict, List
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CACHE, ROOT, pct  # noqa: E402  (bench/common.py)
+from common import CACHE, ROOT, cpu_ticks, pct  # noqa: E402  (bench/common.py)
 from local import pss_of as pss_kb  # noqa: E402  (bench/local.py)
 
 import sandman_ray as sandman  # noqa: E402
@@ -93,6 +96,29 @@ def swap_file(gb: int):
         os.unlink(path)
 
 
+class _Bare:
+    """A Ray actor that does nothing: the floor of any actor's memory on this node."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def bare_actor() -> dict:
+    """The PSS, threads and fds of a bare actor and of a threaded one of the handle
+    host's shape (threads for calls and a control group), each idle."""
+    out = {}
+    for name, actor_class in (
+            ("bare", ray.remote(num_cpus=0)(_Bare)),
+            ("threaded, 192 + 64", ray.remote(num_cpus=0, max_concurrency=192,
+                                              concurrency_groups={"control": 64})(_Bare))):
+        actor = actor_class.remote()
+        pid = ray.get(actor.pid.remote())
+        time.sleep(1.0)  # its start settles before its memory is read
+        out[name] = dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024)
+        ray.kill(actor)
+    return out
+
+
 def available_mb() -> float:
     with open("/proc/meminfo") as fh:
         return next(int(line.split()[1]) for line in fh
@@ -128,33 +154,42 @@ def timed(fn, rounds: int) -> List[float]:
 
 def busy_cores(seconds: float = 2.0) -> float:
     """The node's CPU in use over ``seconds`` (cores busy), nothing else asked of it."""
-    def ticks():
-        with open("/proc/stat") as fh:
-            fields = [int(v) for v in fh.readline().split()[1:]]
-        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    start = ticks()
+    start = cpu_ticks()
     time.sleep(seconds)  # the window measured
-    return (ticks() - start) / os.sysconf("SC_CLK_TCK") / seconds
+    return (cpu_ticks() - start) / os.sysconf("SC_CLK_TCK") / seconds
 
 
-def measure(pool: str, held: list, samples: int, paused: int, rng, loop) -> dict:
-    pick = lambda: rng.choice(held)  # noqa: E731
+def measure(pool: str, held: list, samples: int, exec_samples: int, paused: int, rng,
+            loop, reclaimed: set) -> dict:
+    """One step's figures. The sandboxes of ``reclaimed`` (lease ids) were paused with
+    reclaim at an earlier step, and their memory is in swap: the random picks leave
+    them out (their first call after the resume is timed on its own, once)."""
+    awake = [sb for sb in held if sb.lease_id not in reclaimed]
+    pick = lambda: rng.choice(awake)  # noqa: E731
     idle = busy_cores()  # N leased sandboxes idle, their shells and sleepers waiting
     # direct: on the event loop whose connection each sandbox already has
-    direct = timed(lambda: loop.run_until_complete(pick().exec_async("true")), samples)
-    remote = timed(lambda: ray.get(pick().exec.remote("true")), samples)
+    direct = timed(lambda: loop.run_until_complete(pick().exec_async("true")), exec_samples)
+    # beside it, one sandbox again and again: what a random one adds (its daemon's
+    # memory and connection cold in the caches)
+    one = awake[0]
+    same = timed(lambda: loop.run_until_complete(one.exec_async("true")), exec_samples // 4)
+    remote = timed(lambda: ray.get(pick().exec.remote("true")), exec_samples)
     pauses, resumes = [], []
-    for sb in rng.sample(held, min(samples, len(held))):
+    for sb in rng.sample(awake, min(samples, len(awake))):
         pauses += timed(sb.pause, 1)
         resumes += timed(sb.resume, 1)
     sandboxed = leftovers(pool, STATE)["processes"]
     running_kb = pss_kb(sandboxed) / len(held)
-    chosen = rng.sample(held, min(paused, len(held)))
+    chosen = rng.sample(awake, min(paused, len(awake)))
     for sb in chosen:
         sb.pause(reclaim=True)
     paused_kb = sum(pss_kb(sandbox_pids(pool, sb.sandbox)) for sb in chosen) / len(chosen)
     for sb in chosen:
         sb.resume()
+    # the first call after a resume from reclaim: the daemon's pages come back from swap
+    after_reclaim = [timed(lambda: loop.run_until_complete(sb.exec_async("true")), 1)[0]
+                     for sb in chosen]
+    reclaimed.update(sb.lease_id for sb in chosen)
     status = timed(lambda: ray.get(sandman.get_pool(pool).status.remote()), 20)
     loop_ms = ray.get(sandman.get_pool(pool).status.remote())["loop_ms"]
     pids = actor_pids(pool, held[0])
@@ -162,54 +197,80 @@ def measure(pool: str, held: list, samples: int, paused: int, rng, loop) -> dict
              for role, pid in pids.items()}
     ms = lambda values, q: pct(values, q) * 1e3  # noqa: E731
     return {"exec_direct_p50_ms": ms(direct, 0.5), "exec_direct_p99_ms": ms(direct, 0.99),
+            "exec_same_p50_ms": ms(same, 0.5), "exec_same_p99_ms": ms(same, 0.99),
             "exec_remote_p50_ms": ms(remote, 0.5), "exec_remote_p99_ms": ms(remote, 0.99),
             "pause_p50_ms": ms(pauses, 0.5), "pause_p99_ms": ms(pauses, 0.99),
             "resume_p50_ms": ms(resumes, 0.5), "resume_p99_ms": ms(resumes, 0.99),
             "pss_mb_per_sandbox_running": running_kb / 1024,
             "pss_mb_per_sandbox_paused": paused_kb / 1024, "paused_sampled": len(chosen),
+            "exec_after_reclaim_p50_ms": ms(after_reclaim, 0.5),
+            "exec_after_reclaim_max_ms": max(after_reclaim) * 1e3,
             "sandbox_processes": len(sandboxed), "available_mb": available_mb(),
             "idle_busy_cores": idle,
             "pool_status_p50_ms": ms(status, 0.5), "pool_loop_ms": loop_ms,
             "processes": procs}
 
 
+def parse_ns(text: str) -> List[int]:
+    ns = sorted({int(n) for n in text.split(",") if n.strip()})
+    if not ns or ns[0] < 1:
+        raise ValueError("the numbers of sandboxes must be whole numbers >= 1, not %r" % text)
+    return ns
+
+
+def density(ns: List[int], samples: int = 100, exec_samples: int = 1000, paused: int = 20,
+            swap_gb: int = 4) -> dict:
+    """The steps, on this process's Ray: a pool of its own, shut down after; raises
+    unless it left nothing."""
+    pool = "bench-density-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=LocalProvider(state_root=STATE, cache_root=CACHE),
+                        max_sandboxes=max(ns))
+    out = {"bench": "density", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "args": {"ns": ns, "samples": samples, "exec_samples": exec_samples,
+                    "paused": paused, "swap_gb": swap_gb}, "steps": {}, "stopped": None}
+    with swap_file(swap_gb) as swap:
+        out["swap_file"] = swap
+        try:
+            grow_and_measure(pool, ns, samples, exec_samples, paused, out)
+        finally:
+            sandman.shutdown_pool(pool)
+    out["left_after_shutdown"] = {k: len(v) for k, v in leftovers(pool, STATE).items()}
+    out["summary"] = summary(out)
+    if any(out["left_after_shutdown"].values()):
+        raise RuntimeError("density: the pool left %s" % out["left_after_shutdown"])
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ns", default="100,250,500,1000")
-    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=100, help="pauses and resumes per N")
+    parser.add_argument("--exec-samples", type=int, default=1000,
+                        help="execs per N, each way (a p99 of 100 is the second largest)")
     parser.add_argument("--paused", type=int, default=20)
     parser.add_argument("--swap-gb", type=int, default=4,
                         help="a swap file for the run where the node has none (0: none)")
     args = parser.parse_args(argv)
-    ns = sorted(int(n) for n in args.ns.split(","))
+    try:
+        ns = parse_ns(args.ns)
+    except ValueError as exc:
+        parser.error(str(exc))
     ray.init(num_cpus=2, namespace="sandman-bench", include_dashboard=False,
              log_to_driver=False)
-    pool = "bench-density-" + uuid.uuid4().hex[:6]
-    sandman.create_pool(pool, provider=LocalProvider(state_root=STATE, cache_root=CACHE),
-                        max_sandboxes=max(ns))
-    out = {"bench": "density", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
-           "steps": {}, "stopped": None}
-    with swap_file(args.swap_gb) as swap:
-        out["swap_file"] = swap
-        try:
-            grow_and_measure(pool, ns, args, out)
-        finally:
-            sandman.shutdown_pool(pool)
-    left = leftovers(pool, STATE)
-    out["left_after_shutdown"] = {k: len(v) for k, v in left.items()}
+    out = density(ns, args.samples, args.exec_samples, args.paused, args.swap_gb)
     if out["stopped"]:
         print("stopped at N=%(n)d with %(held)d held: %(error)s" % out["stopped"])
-    out["summary"] = summary(out)
     print_table(out)
     print(json.dumps(out))
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    return 0 if not any(left.values()) else 1
+    return 0
 
 
-def grow_and_measure(pool: str, ns: List[int], args, out: dict) -> None:
+def grow_and_measure(pool: str, ns: List[int], samples: int, exec_samples: int, paused: int,
+                     out: dict) -> None:
     """Grow the leases step by step, measuring at each N; then release them all and
     read the handle host idle."""
-    held, rng = [], random.Random(1)
+    held, rng, reclaimed = [], random.Random(1), set()
     loop = asyncio.new_event_loop()  # one loop: its direct connections serve every step
     try:
         for n in ns:
@@ -219,7 +280,7 @@ def grow_and_measure(pool: str, ns: List[int], args, out: dict) -> None:
                 out["stopped"] = {"n": n, "held": len(held), "available_mb": available_mb(),
                                   "error": "%s: %s" % (type(exc).__name__, str(exc)[:500])}
                 break
-            step = measure(pool, held, args.samples, args.paused, rng, loop)
+            step = measure(pool, held, samples, exec_samples, paused, rng, loop, reclaimed)
             step.update(acquire_p50_ms=pct(acquires, 0.5) * 1e3,
                         acquire_p99_ms=pct(acquires, 0.99) * 1e3, acquires=len(acquires),
                         held=len(held))
@@ -231,6 +292,7 @@ def grow_and_measure(pool: str, ns: List[int], args, out: dict) -> None:
         held.clear()
         if host is not None:
             out["host_idle"] = dict(threads_and_fds(host), pss_mb=pss_kb([host]) / 1024)
+            out["bare_actor"] = bare_actor()
     finally:
         for sb in held:
             try:
@@ -241,12 +303,13 @@ def grow_and_measure(pool: str, ns: List[int], args, out: dict) -> None:
 
 
 def print_step(n: int, s: dict) -> None:
-    print("N=%d: acquire %.1f / %.1f ms, exec direct %.2f / %.2f ms, .remote() %.2f / %.2f "
-          "ms, pause %.1f / %.1f ms, resume %.1f / %.1f ms (p50 / p99); PSS per sandbox "
+    print("N=%d: acquire %.1f / %.1f ms, exec direct %.2f / %.2f ms (the same sandbox %.2f / "
+          "%.2f ms), .remote() %.2f / %.2f ms, pause %.1f / %.1f ms, resume %.1f / %.1f ms (p50 / p99); PSS per sandbox "
           "%.2f MB running, %.2f MB paused; available %.0f MB; idle %.2f cores; pool status "
           "%.1f ms; %s"
           % (n, s["acquire_p50_ms"], s["acquire_p99_ms"], s["exec_direct_p50_ms"],
-             s["exec_direct_p99_ms"], s["exec_remote_p50_ms"], s["exec_remote_p99_ms"],
+             s["exec_direct_p99_ms"], s["exec_same_p50_ms"], s["exec_same_p99_ms"],
+             s["exec_remote_p50_ms"], s["exec_remote_p99_ms"],
              s["pause_p50_ms"], s["pause_p99_ms"], s["resume_p50_ms"], s["resume_p99_ms"],
              s["pss_mb_per_sandbox_running"], s["pss_mb_per_sandbox_paused"],
              s["available_mb"], s["idle_busy_cores"], s["pool_status_p50_ms"],
@@ -301,3 +364,59 @@ def print_table(out: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def rows(out: dict) -> List[tuple]:
+    """The density section's lines of ``make bench``'s table."""
+    rows = []
+    for n, s in sorted(out["steps"].items(), key=lambda kv: int(kv[0])):
+        procs = s["processes"]
+        pair = lambda key, unit="ms": "%.1f / %.1f %s" % (  # noqa: E731
+            s[key[0] + "_p50_ms"], s[key[1] + "_p50_ms"], unit)
+        p99 = lambda key: "p99 %.1f / %.1f ms" % (s[key[0] + "_p99_ms"],  # noqa: E731
+                                                 s[key[1] + "_p99_ms"])
+        rows += [("density", "N=%s held: exec true direct / .remote()" % n,
+                  pair(("exec_direct", "exec_remote")), p99(("exec_direct", "exec_remote"))),
+                 ("density", "N=%s: exec true direct, a random sandbox / the same one" % n,
+                  pair(("exec_direct", "exec_same")), p99(("exec_direct", "exec_same"))),
+                 ("density", "N=%s: pause / resume" % n, pair(("pause", "resume")),
+                  p99(("pause", "resume"))),
+                 ("density", "N=%s: acquire (%d at a time)" % (n, GROW_AT_ONCE),
+                  "%.0f ms" % s["acquire_p50_ms"], "p99 %.0f ms" % s["acquire_p99_ms"]),
+                 ("density", "N=%s: first exec after a resume from reclaim" % n,
+                  "%.1f ms" % s["exec_after_reclaim_p50_ms"],
+                  "max %.1f ms (its pages back from swap)" % s["exec_after_reclaim_max_ms"]),
+                 ("density", "N=%s: PSS per sandbox running / paused (reclaim)" % n,
+                  "%.2f / %.2f MB" % (s["pss_mb_per_sandbox_running"],
+                                      s["pss_mb_per_sandbox_paused"]),
+                  "available %.0f MB; idle %.2f cores busy; tick p50 %.2f ms" % (
+                      s["available_mb"], s["idle_busy_cores"],
+                      s["pool_loop_ms"].get("tick", {}).get("p50_ms", float("nan")))),
+                 ("density", "N=%s: pool / agent / host PSS" % n, "%.0f / %.0f / %.0f MB" % (
+                     procs["pool"]["pss_mb"], procs["agent"]["pss_mb"], procs["host"]["pss_mb"]),
+                  "threads %d / %d / %d, fds %d / %d / %d" % tuple(
+                      procs[r][k] for k in ("threads", "fds") for r in ("pool", "agent", "host")))]
+    if out.get("stopped"):
+        rows.append(("density", "stopped at N=%(n)d with %(held)d held" % out["stopped"], "",
+                     out["stopped"]["error"][:120]))
+    s = out.get("summary", {})
+    if s:
+        rows += [("density", "largest N / smallest: acquire p99, exec direct p99, .remote() p99",
+                  "%.2fx / %.2fx / %.2fx" % (s["acquire_p99_ratio"], s["exec_direct_p99_ratio"],
+                                             s["exec_remote_p99_ratio"]),
+                  "N=%d vs N=%d; target <= 2x" % (s["largest_n"], s["smallest_n"])),
+                 ("density", "pause / resume at N=%d" % s["pause_at_n"], "%.1f / %.1f ms" % (
+                     s["pause_p50_ms"], s["resume_p50_ms"]), "p99 %.1f / %.1f ms; target p50 "
+                  "<= 5 ms, p99 <= 20 ms" % (s["pause_p99_ms"], s["resume_p99_ms"])),
+                 ("density", "handle host: per held lease",
+                  "%.1f kB" % s["host_kb_per_lease"], "%d threads at N=%d; target <= 20 kB" % (
+                      s["host_threads_at_largest_n"], s["largest_n"]))]
+    if "host_idle" in out:
+        rows.append(("density", "handle host idle, its leases released", "%.0f MB" %
+                     out["host_idle"]["pss_mb"], "%d threads, %d fds; target <= 30 MB" % (
+                         out["host_idle"]["threads"], out["host_idle"]["fds"])))
+    for name, bare in out.get("bare_actor", {}).items():
+        rows.append(("density", "a Ray actor that does nothing (%s), idle" % name,
+                     "%.0f MB" % bare["pss_mb"], "%d threads: the floor of any actor here"
+                     % bare["threads"]))
+    return rows

@@ -161,21 +161,19 @@ def slope(points: List[tuple]) -> float:
 
 
 def drift(samples: List[dict]) -> Dict[str, float]:
-    """The slope of every series after the warm-up: host counts, and per role the
-    largest slope of any one process's RSS, threads and fds (a process present in
-    every sample after the warm-up; a client killed and replaced starts a new one)."""
+    """The slope of every series after the warm-up (the first fifth of the samples):
+    the host's counts, and per role the mean RSS, threads and fds of its processes in
+    each sample (a client killed and replaced by a new one, and its handle host, count
+    from then on: a process's own slope over the few samples it lives would be noise)."""
     warm = max(1, len(samples) // 5)
     kept = samples[warm:]
     out = {key: slope([(s["cycles"], s[key]) for s in kept])
            for key in ("records", "mounts", "cgroups", "uid_locks", "sandbox_processes")}
     for role in kept[0]["processes"] if kept else ():
-        pids = [{p["pid"] for p in s["processes"][role]} for s in kept]
-        steady = set.intersection(*pids) if pids else set()
         for key in ("rss_mb", "threads", "fds"):
-            slopes = [slope([(s["cycles"], p[key]) for s in kept
-                             for p in s["processes"][role] if p["pid"] == pid])
-                      for pid in steady]
-            out["%s_%s" % (role, key)] = max(slopes, default=0.0)
+            out["%s_%s" % (role, key)] = slope([
+                (s["cycles"], sum(p[key] for p in s["processes"][role])
+                 / len(s["processes"][role])) for s in kept if s["processes"][role]])
     return out
 
 

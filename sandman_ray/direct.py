@@ -27,12 +27,13 @@ from typing import Dict, List, Optional, Set
 
 import ray
 
+from sandman_ray import touches
 from sandman_ray.client import AsyncDaemonClient, DaemonClient
 from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
 
 IDLE_CONNECTIONS = 2  # blocking connections a lease keeps open for its next calls
-TOUCH_EVERY_S = 2.0  # how often a lease in use by direct calls tells the pool
+TOUCH_EVERY_S = touches.TOUCH_EVERY_S  # how often a lease in use notes it (sandman_ray.touches)
 WHY_WAIT_S = 10.0  # how long a call that lost its daemon asks the pool why
 
 
@@ -291,8 +292,8 @@ class Direct:
                              self.ended)
 
     def _touch(self) -> None:
-        """Tell the pool the lease is in use, every TOUCH_EVERY_S (its idle reclaim
-        counts direct calls too); no answer is awaited."""
+        """Note that the lease is in use, every TOUCH_EVERY_S (the pool's idle reclaim
+        counts direct calls too; sandman_ray.touches tells it)."""
         now = time.monotonic()
         with self.lock:
             if now - self.touched <= TOUCH_EVERY_S:
@@ -301,10 +302,7 @@ class Direct:
         self._tell_touched()
 
     def _tell_touched(self) -> None:
-        try:
-            self.pool.touch.remote(self.lease_id, self.holder)
-        except Exception:  # noqa: BLE001 - the pool is gone: the call says so itself
-            pass
+        touches.note(self.pool, self.lease_id, self.holder)
 
     def _timed_out(self, op: str, exc: Exception) -> ExecTimeout:
         return ExecTimeout("%s on sandbox %s: %s" % (op, self.sandbox_id, exc))

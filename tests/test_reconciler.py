@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
-from sandman_ray.pool.reconciler import SURPLUS_LINGER_S, Reconciler
+from sandman_ray.pool.reconciler import Reconciler
+from sandman_ray.pool.supply import SURPLUS_LINGER_S
 from sandman_ray.pool.states import State
 from sandman_ray.providers.base import POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo
 from sandman_ray.spec import PoolConfig, SandboxSpec
@@ -227,6 +228,24 @@ def test_ttl_idle_and_grace_reclaim_by_the_clock():
         clock.now += 11
         await pool.sweep()
         assert "idle for 60 s" in pool.ended[idle.lease_id]
+    run(main())
+
+
+def test_a_round_of_touches_restarts_the_idle_clock_of_the_leases_their_holders_hold():
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 2}, idle_timeout_s=60)
+        await settle(pool)
+        cluster.hosts = {"h1"}
+        used = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        other = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        clock.now += 50
+        # a round names a lease another holder holds and one long over: passed over
+        assert pool.touch_many([(used.lease_id, "h1"), (other.lease_id, "h2"),
+                                ("L-over", "h1")]) == 1
+        clock.now += 11
+        await pool.sweep()
+        assert pool.records.leased(used.lease_id)
+        assert "idle for 60 s" in pool.ended[other.lease_id]
     run(main())
 
 

@@ -98,6 +98,11 @@ class PoolActor:
     async def touch(self, lease_id: str, holder: Optional[str] = None) -> bool:
         return (await self._started()).touch(lease_id, holder)
 
+    async def touch_many(self, leases: list) -> int:
+        """``touch`` for each (lease id, holder) in ``leases`` (sandman_ray.touches: a
+        process's round); how many were leases of this pool held by their holder."""
+        return (await self._started()).touch_many(leases)
+
     async def release(self, lease_id, holder: Optional[str] = None) -> bool:
         """End the lease; ``lease_id`` as bytes: ``lease id NUL holder`` in one."""
         if isinstance(lease_id, bytes):

@@ -1,0 +1,234 @@
+"""The pool's lending, a mixin of the Reconciler (the state is the Reconciler's): an
+acquire's wait (``lease``), the calls of a lease's holder (``register``, ``touch``,
+``release``, ``cancel``), and ``lend``, which serves waiters from READY sandboxes in
+fair turn, each on the node it prefers, and hands the client's host its lease.
+"""
+
+import asyncio
+import uuid
+from typing import Optional
+
+from sandman_ray.errors import AcquireTimeout, LeaseNotHeld
+from sandman_ray.pool.states import Lease, Sandbox, State, reachable
+from sandman_ray.pool.waiters import Waiter
+from sandman_ray.spec import ANYWHERE, SandboxSpec
+
+
+class Lending:
+    """``lease``, ``cancel``, ``register``, ``touch``, ``release``, ``lend`` and
+    ``end_lease`` of the Reconciler."""
+
+    async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
+                    holder: Optional[str] = None, holder_node: Optional[str] = None,
+                    lease_id: Optional[str] = None, node: Optional[str] = None) -> Lease:
+        """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
+
+        holder: the name of the handle host that will hold the lease. When the sandbox
+            is one that host can reach (on ``holder_node``, or at a TCP address), the
+            lease is registered to it at once and offered to it (``cluster.offer``: it
+            connects before the client's first call); otherwise the host of the
+            sandbox's node registers it (``register``), within the grace.
+        lease_id: the caller's id for the lease (a 128-bit secret it made), so that it
+            can ``cancel`` a request whose answer it has not seen.
+        node: where the sandbox runs. None: on ``holder_node`` when one is ready or can
+            be created there (a sandbox ready elsewhere is lent rather than waited for);
+            ``"anywhere"``: wherever the provider places it; a Ray node id: on that
+            node only."""
+        spec = self.config.limited(SandboxSpec.of(spec))
+        want, only = await self._placement(node, holder_node)
+        if lease_id is None:
+            lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
+        else:
+            served = self.records.leased(lease_id)
+            if served is not None and (served.holder == holder or not served.registered_at):
+                return served.lease  # asked again after a restart of the pool: served
+            if lease_id in self.ended:  # cancelled (perhaps before it was asked), or over
+                raise AcquireTimeout("pool %s: lease %s: %s"
+                                     % (self.name, lease_id, self.ended[lease_id]))
+            if lease_id in self.waiting or served is not None:
+                raise ValueError("lease id %s is taken" % lease_id)
+        loop = asyncio.get_running_loop()
+        now = self.clock.monotonic()
+        waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
+                        holder, holder_node, want, only)
+        self.waiters.push(waiter)
+        self.waiting[lease_id] = waiter
+        self.lend(spec)  # a warm sandbox is lent at once, without waiting for a tick
+        self.kick()  # the warm set may need a refill, or a create may be due
+        if waiter.future.done():
+            return waiter.future.result()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except asyncio.TimeoutError:
+            self._forget_waiter(waiter)
+            if waiter.future.done():  # lent as the timeout fired (kept), or failed (why)
+                return waiter.future.result()
+            raise AcquireTimeout("pool %s: no %s sandbox within %.1f s (%s)"
+                                 % (self.name, spec.image, timeout_s, self.summary()))
+        except asyncio.CancelledError:
+            # the caller went away: a sandbox lent meanwhile is reclaimed by the grace
+            self._forget_waiter(waiter)
+            raise
+
+    async def _placement(self, node: Optional[str], holder_node: Optional[str]) -> tuple:
+        """(the node a waiter prefers, the node it must have) for an acquire's ``node``."""
+        if node == ANYWHERE:
+            return None, None
+        if node is None:
+            return holder_node, None
+        nodes = await self.provider.nodes()
+        if nodes is None:
+            raise ValueError("pool %s: its provider does not place sandboxes on Ray nodes; "
+                             "acquire with node=None or node=%r" % (self.name, ANYWHERE))
+        if node not in nodes:
+            raise ValueError("pool %s: node %r is not an alive Ray node (alive: %s)"
+                             % (self.name, node, ", ".join(nodes) or "none"))
+        return node, node
+
+    def _forget_waiter(self, waiter: Waiter) -> None:
+        self.waiters.remove(waiter)
+        self.waiting.pop(waiter.lease_id, None)
+
+    def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:
+        """The request for ``lease_id`` is given up: a waiter stops waiting, a lease
+        already lent for it ends. False if there was neither."""
+        waiter = self.waiting.get(lease_id)
+        if waiter is not None:
+            self._forget_waiter(waiter)
+            self.ended.note(lease_id, "the request was cancelled")
+            if not waiter.future.done():
+                waiter.future.set_exception(AcquireTimeout("lease %s was cancelled" % lease_id))
+            return True
+        if self.release(lease_id, holder):
+            return True
+        # not asked yet (the cancel overtook its request): the request is refused when it
+        # comes, rather than lent to a caller that has gone
+        if lease_id not in self.ended:
+            self.ended.note(lease_id, "the request was cancelled")
+        return False
+
+    def register(self, lease_id: str, holder: str) -> bool:
+        """The handle host ``holder`` now holds ``lease_id``. False: the lease is over.
+        A lease that another host registered is not taken over (LeaseNotHeld)."""
+        rec = self.records.leased(lease_id)
+        if rec is None:
+            return False
+        self._check_holder(rec, holder, "register")
+        self._hold(rec, holder)
+        self.stats["registered"] += 1
+        return True
+
+    def _hold(self, rec: Sandbox, holder: str, seen: bool = True) -> None:
+        self.records.hold(rec, holder)
+        rec.holder_seen = seen
+        rec.registered_at = rec.last_used = self.clock.monotonic()
+
+    def touch(self, lease_id: str, holder: Optional[str] = None) -> bool:
+        """The lease is in use (its idle timeout starts again)."""
+        rec = self.records.leased(lease_id)
+        if rec is None:
+            return False
+        self._check_holder(rec, holder, "touch")
+        rec.last_used = self.clock.monotonic()
+        return True
+
+    def touch_many(self, leases) -> int:
+        """``touch`` for each (lease id, holder); a lease that ended or that another
+        holder holds is passed over. How many were touched."""
+        touched = 0
+        for lease_id, holder in leases:
+            try:
+                touched += self.touch(lease_id, holder)
+            except LeaseNotHeld:
+                pass
+        return touched
+
+    def host_restarted(self, holder: str) -> int:
+        """Ray restarted the host ``holder`` after its process or node died: the new one
+        holds nothing, so the leases of the old one end. Returns how many."""
+        held = self.records.held_by(holder)
+        for rec in held:
+            self.stats["reclaimed"] += 1
+            self.end_lease(rec, "reclaimed: host %s was restarted" % holder)
+        return len(held)
+
+    def release(self, lease_id: str, holder: Optional[str] = None) -> bool:
+        """End the lease. Once a host registered it, only that host (``holder``) may;
+        before, whoever has the lease id (the acquire that got it)."""
+        rec = self.records.leased(lease_id)
+        if rec is None:
+            return False
+        self._check_holder(rec, holder, "release")
+        self.end_lease(rec, "released by its holder", tell_host=False)
+        return True
+
+    def _check_holder(self, rec: Sandbox, holder: Optional[str], op: str) -> None:
+        if rec.registered_at and holder != rec.holder:
+            raise LeaseNotHeld("pool %s: %s of the lease on %s refused: it is held by %s, "
+                               "not by %s" % (self.name, op, rec.sandbox_id, rec.holder,
+                                              holder or "a caller without a handle host"))
+
+    def lend(self, only: Optional[SandboxSpec] = None) -> None:
+        """Serve waiters from READY sandboxes (of ``only``, else of every spec that has
+        both), each the oldest ready on the node it prefers (the caller's: its direct
+        calls take the unix socket), else the oldest ready anywhere it may run."""
+        specs = [only] if only is not None else \
+            [s for s in self.waiters.per_spec if s in self.records.ready]
+        for spec in specs:
+            while spec in self.records.ready:
+                waiter = self.waiters.next_for(spec, self.allowed, self._servable)
+                if waiter is None:
+                    break
+                self.waiting.pop(waiter.lease_id, None)
+                self._lend_to(self._ready_for(waiter), waiter)
+
+    def _servable(self, waiter: Waiter) -> bool:
+        return waiter.only is None or bool(self.records.ready_on(waiter.spec, waiter.only))
+
+    def _ready_for(self, waiter: Waiter) -> Sandbox:
+        here = self.records.ready_on(waiter.spec, waiter.node) if waiter.node else None
+        return next(iter((here or self.records.ready[waiter.spec]).values()))
+
+    def _lend_to(self, rec: Sandbox, waiter: Waiter) -> None:
+        now = self.clock.monotonic()
+        info = rec.info
+        lease = Lease(waiter.lease_id, rec.sandbox_id, info.address, info.token,
+                      info.node_id, self.name, waiter.client, self.clock.time())
+        self.records.lend(rec, lease, waiter.client, None)
+        rec.holder_seen, rec.registered_at = False, 0.0
+        rec.leased_at = rec.last_used = now
+        offer = False
+        if waiter.holder is not None:
+            if waiter.holder_node is None:  # an actor to watch; any host may register
+                self.records.hold(rec, waiter.holder)
+            elif reachable(info, waiter.holder_node):
+                # the client's host holds it now (it may still be starting: it is
+                # reclaimed for being gone only once it was seen)
+                self._hold(rec, waiter.holder, seen=False)
+                offer = True
+        self._to(rec, State.LEASED, "lent to %s" % waiter.client)
+        self.last_lent[rec.spec] = now
+        self.stats["leases"] += 1
+        self.metrics.lent(now - waiter.enqueued)
+        if offer:  # sent before the answer: a pool that dies between them lost neither
+            self.cluster.offer(waiter.holder, lease)
+        waiter.future.set_result(lease)
+
+    def allowed(self, client: str) -> bool:
+        quota = self.config.client_quota
+        return quota is None or self.records.per_client.get(client, 0) < quota
+
+    def end_lease(self, rec: Sandbox, reason: str, reuse: bool = True,
+                  tell_host: bool = True) -> None:
+        """End the lease of ``rec`` for ``reason``; its host (when one registered it and
+        did not end it itself) is told, and stops forwarding its calls."""
+        if rec.lease is not None:
+            self.ended.note(rec.lease.lease_id, reason)
+            if tell_host and rec.holder is not None:
+                self.cluster.tell_host(rec.holder, rec.lease.lease_id,
+                                       "%s (pool %s)" % (reason, self.name))
+        self.records.end_lease(rec)
+        rec.paused = False  # the provider's reset or delete thaws it
+        if reuse:
+            self._to(rec, State.RELEASING, reason)
+        self.kick()

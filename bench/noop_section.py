@@ -31,7 +31,6 @@ import ray
 
 import sandman_ray as sandman
 from sandman_ray import DaemonClient, ExecResult
-from sandman_ray.host import HOST_THREADS
 from sandman_ray.spec import SandboxSpec
 
 import minimal_daemon  # bench/minimal_daemon.py (bench/ is on the path of run_all.py)
@@ -62,13 +61,15 @@ class Bare:
         return self.minimal.exec("true").exit_code
 
 
-@ray.remote(num_cpus=0, max_concurrency=HOST_THREADS)
+YARDSTICK_THREADS = 192  # the threads of the yardstick actor (a handle host's before it was async)
+
+
+@ray.remote(num_cpus=0, max_concurrency=YARDSTICK_THREADS)
 class ResultYardstick:
-    """The yardstick of ``.remote()`` exec, of its shape: a threaded actor, as a handle
-    host is, that asks bench/minimal_daemon.py to run a command and returns the
+    """The yardstick of ``.remote()`` exec, of its shape: a threaded actor that asks bench/minimal_daemon.py to run a command and returns the
     ``ExecResult``, the type ``sb.exec.remote`` returns (the int of
     ``Bare.minimal_daemon_true`` is the older yardstick, kept beside it). A daemon
-    connection per thread, as a host keeps one per call in flight."""
+    connection per thread."""
 
     def __init__(self, address: str):
         self.address, self.local = address, threading.local()

@@ -121,7 +121,7 @@ def _host(node_id: Optional[str]) -> _Host:
             options = {"name": name, "namespace": NAMESPACE}
             if node_id:  # when the node dies, Ray restarts the host elsewhere to say SandboxLost
                 options.update(_on_node(node_id))
-            host = _hosts[key] = _Host(HandleHost.options(**options).remote(name), name)
+            host = _hosts[key] = _Host(HandleHost.options(**options).remote(), name)
         return host
 
 

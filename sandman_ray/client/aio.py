@@ -48,7 +48,12 @@ class AsyncDaemonClient(_Operations):
 
     @classmethod
     async def connect(cls, address: str, token: str, *, connect_timeout: float = 10.0,
-                      default_timeout: Optional[float] = None) -> "AsyncDaemonClient":
+                      default_timeout: Optional[float] = None,
+                      hello_first: bool = True) -> "AsyncDaemonClient":
+        """``hello_first`` False: send the hello and return without its answer, which
+        comes before the first call's (a wrong token then fails that call with
+        AuthError; the daemon runs nothing a connection sends before its hello is
+        accepted): a first call costs one round trip, not two."""
         client = cls(address, default_timeout)
         loop = asyncio.get_running_loop()
         family, where = _parse_address(address)
@@ -60,8 +65,13 @@ class AsyncDaemonClient(_Operations):
             else:
                 client._transport, _ = await asyncio.wait_for(loop.create_connection(
                     lambda: _ClientProtocol(client), *where), connect_timeout)
-            await client._request("hello", _hello_fields(token), connect_timeout, None,
-                                  hello=True)
+            if hello_first:
+                await client._request("hello", _hello_fields(token), connect_timeout, None,
+                                      hello=True)
+            else:  # its answer finds no request waiting; a refusal fails them all
+                hello = _hello_fields(token)
+                hello["id"] = next(client._ids)
+                client._transport.write(encode_frame(hello))
         except (OSError, asyncio.TimeoutError) as exc:
             client.close()
             raise ConnectionLost("cannot connect to daemon at %s: %s" % (address, exc)) from exc

@@ -71,6 +71,10 @@ class PoolActor:
         return self.name
 
     # ---- client and host calls
+    # ACQUIRE_EVENTS: an acquire is recorded as a Ray task event (the dashboard lists it
+    # as sandman:acquire:<pool>); the calls that follow each lease (release, touches,
+    # a host asking why its lease ended) are not: they would crowd the GCS's table of
+    # task events, and the record costs the pool's process memory.
     async def lease(self, spec, client: Optional[str] = None, timeout_s: float = 60.0,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
                     lease_id: Optional[str] = None, node: Optional[str] = None):
@@ -95,14 +99,17 @@ class PoolActor:
     async def register(self, lease_id: str, holder: str) -> bool:
         return (await self._started()).register(lease_id, holder)
 
+    @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def touch(self, lease_id: str, holder: Optional[str] = None) -> bool:
         return (await self._started()).touch(lease_id, holder)
 
+    @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def touch_many(self, leases: list) -> int:
         """``touch`` for each (lease id, holder) in ``leases`` (sandman_ray.touches: a
         process's round); how many were leases of this pool held by their holder."""
         return (await self._started()).touch_many(leases)
 
+    @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def release(self, lease_id, holder: Optional[str] = None) -> bool:
         """End the lease; ``lease_id`` as bytes: ``lease id NUL holder`` in one."""
         if isinstance(lease_id, bytes):
@@ -113,6 +120,7 @@ class PoolActor:
     async def host_restarted(self, holder: str) -> int:
         return (await self._started()).host_restarted(holder)
 
+    @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def why_ended(self, lease_id: str) -> Optional[str]:
         """Why ``lease_id`` ended, if this pool ended it (a host asks when its sandbox
         stops answering: the pool's word may still be on its way); None otherwise."""

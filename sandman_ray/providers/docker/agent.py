@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 PULLS_AT_ONCE = 4               # image pulls in flight per node (each holds a thread)
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+# its calls (creates, resets, deletes by the thousand) are not recorded as Ray task
+# events: see sandman_ray.host
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
 class DockerAgent(ContainerSpecs):
     """Creates, resets and deletes one pool's containers on one node's engine."""
 

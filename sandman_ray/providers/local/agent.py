@@ -35,7 +35,9 @@ RANGE_LOCKS = "/run/sandman-ray/id-ranges"
 LAUNCH_THREADS = 4
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+# its calls (creates, resets, deletes by the thousand) are not recorded as Ray task
+# events: see sandman_ray.host
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
 class NodeAgent:
     """Starts, resets and deletes the sandboxes of one pool on one node."""
 

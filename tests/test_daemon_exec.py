@@ -27,6 +27,15 @@ def test_argv_form_runs_without_a_shell(client):
     assert r.stdout == b"a b|$HOME|*|"
 
 
+def test_an_argv_may_pass_empty_arguments_but_not_an_empty_program(client):
+    assert client.exec(["printf", "%s|", "", "x", ""]).stdout == b"|x||"
+    assert client.exec(["/bin/sh", "-c", ""]).exit_code == 0
+    for argv in ([], [""], ["printf", "a\0b"], ["printf", 1]):
+        with pytest.raises(DaemonError) as err:
+            client.exec(argv)
+        assert err.value.type == "BadRequest" and "first one not empty" in str(err.value)
+
+
 def test_unknown_command_in_a_shell_string_exits_127(client):
     r = client.exec("no-such-command-xyz")
     assert r.exit_code == 127 and b"not found" in r.stderr

@@ -75,6 +75,15 @@ def path_field(req, name="path"):
     return path
 
 
+def check_argv(argv):
+    """``argv`` (a list from field ``cmd``) if it can be executed: strings without NUL,
+    the program's name not empty (an argument may be: ``printf '%s' ''``)."""
+    if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv) or not argv[0]:
+        raise bad_request("field 'cmd' as a list must be strings without NUL, the first "
+                          "one not empty")
+    return argv
+
+
 def env_field(req, base):
     """The sandbox environment with the request's ``env`` merged over it (None unsets)."""
     extra = req.get("env")

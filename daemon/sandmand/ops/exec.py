@@ -4,7 +4,7 @@ shares."""
 import os
 import time
 
-from ..fields import RequestError, as_bytes, bad_request, env_field, field, number_field
+from ..fields import RequestError, as_bytes, check_argv, env_field, field, number_field
 from ..spawn import (
     STREAM_PIPE_BYTES, Capture, PipeReader, cloexec_pipe, exit_code, grow_pipe, plain_argv, spawn,
     write_and_close)
@@ -65,8 +65,7 @@ class ExecOps:
                     pass
             return self._start(["/bin/sh", "-c", cmd], env, cwd, with_stdin, out_sink,
                                err_sink, on_exit, big_pipes)
-        if not cmd or not all(isinstance(a, str) and a and "\0" not in a for a in cmd):
-            raise bad_request("field 'cmd' as a list must be non-empty strings without NUL")
+        check_argv(cmd)
         try:
             return self._start(list(cmd), env, cwd, with_stdin, out_sink, err_sink, on_exit,
                                big_pipes)

@@ -10,7 +10,8 @@ import time
 
 import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 
-from ..fields import RequestError, as_bytes, bad_request, env_field, field, number_field
+from ..fields import (
+    RequestError, as_bytes, bad_request, check_argv, env_field, field, number_field)
 from ..loop import Event, Lock, Timeout, resolve_once, wait_for
 from ..spawn import Ring, descendants, exit_code, sandbox_pids
 from ..wire import KILL_SETTLE_S, MAX_STREAM_CAP, MAX_TERMINALS, TERMINAL_RING_BYTES
@@ -32,9 +33,7 @@ class TerminalOps:
         if sum(1 for t in self.terminals.values() if t.master is not None) >= MAX_TERMINALS:
             raise RequestError("LimitExceeded", "%d terminals are open" % MAX_TERMINALS)
         ring = int(number_field(req, "buffer_bytes", TERMINAL_RING_BYTES, 1, MAX_STREAM_CAP))
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv or not all(isinstance(a, str) and a and "\0" not in a for a in argv):
-            raise bad_request("field 'cmd' as a list must be non-empty strings without NUL")
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else check_argv(list(cmd))
         term = Terminal(self, self.next_terminal, argv, ring)
         self.next_terminal += 1
         term.open(env, field(req, "cwd"), cols, rows, field(req, "stdin", b""))

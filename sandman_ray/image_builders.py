@@ -169,8 +169,17 @@ def write_docker_archive(rootfs: Path, archive: Path, config: Optional[dict] = N
     return Path(archive)
 
 
-# ``builtin:<name>``: how each built-in image is made
-BUILTIN_PACKAGES = {"debian": ("python3",)}
+# ``builtin:<name>``: how each built-in image is made. builtin:debian is a task image of
+# the kind agents work in: bash, python (also as ``python``) and a pager, which
+# SWE-ReX's own suite runs (tests/peer) assumes.
+BUILTIN_PACKAGES = {"debian": ("python3", "python-is-python3", "less")}
+
+
+def builtin_key(name: str) -> str:
+    """The cache entry of ``builtin:<name>``: named after what it is made of, so that a
+    new package list builds a new entry instead of reusing the old one."""
+    made_of = ",".join(BUILTIN_PACKAGES[name])
+    return "builtin-%s-%s" % (name, hashlib.sha256(made_of.encode()).hexdigest()[:8])
 
 
 def build_builtin(name: str, dest: Path) -> Path:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from sandman_ray.image_builders import MOUNT_POINTS, build_builtin
+from sandman_ray.image_builders import MOUNT_POINTS, build_builtin, builtin_key
 from sandman_ray.providers.base import fatal, transient
 from sandman_ray.spec import parse_image as parse
 
@@ -185,10 +185,10 @@ class ImageCache:
 
     # ---- built-in images
     def _builtin(self, image: str, name: str) -> PreparedImage:
-        entry = self.root / ("builtin-" + name)
+        entry = self.root / builtin_key(name)
         rootfs = entry / "rootfs"
         if not (entry / "meta.json").exists():
-            with _locked(self.root / ("builtin-%s.lock" % name)):
+            with _locked(self.root / ("%s.lock" % entry.name)):
                 if not (entry / "meta.json").exists():  # built meanwhile by another process
                     try:
                         build_builtin(name, rootfs)

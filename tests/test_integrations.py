@@ -296,10 +296,13 @@ def test_tool_files_setup_timeouts_and_bad_calls(pool):
                 await tool.calc_reward(other)
             finally:
                 await tool.release(other)
-        with pytest.raises(sandman.SandmanError, match="setup command exited"):
+        # ``exit 3`` ends the task's shell, where the setup runs
+        with pytest.raises(sandman.SandmanError, match="setup command ended its shell"):
             await tool.create(create_kwargs={"setup": "exit 3", "trajectory_id": "x"})
+        with pytest.raises(sandman.SandmanError, match="setup command exited 4"):
+            await tool.create(create_kwargs={"setup": "(exit 4)", "trajectory_id": "y"})
         failing, _ = await tool.create(create_kwargs={"setup": "exit 3"})
-        with pytest.raises(sandman.SandmanError, match="setup command exited"):
+        with pytest.raises(sandman.SandmanError, match="setup command ended its shell"):
             await tool.execute(failing, {"command": "true"})  # bound at its first call
         await tool.release(failing)
         return out, tool.open_trajectories()

@@ -39,13 +39,16 @@ import logging
 import subprocess
 from typing import Any, Dict, List, Optional
 
-import ray
+from sandman_ray.integrations import require_python
 
-import sandman_ray as sandman
-from sandman_ray.errors import DaemonError, SandmanError
-from sandman_ray.handle import SandboxHandle
-from sandman_ray.integrations.steps import step_done
-from sandman_ray.spec import SandboxSpec, check_pool_name
+require_python("minisweagent", "mini-swe-agent 2.4", (3, 10))
+
+import sandman_ray as sandman  # noqa: E402  (after the check: Ray needs no older Python)
+from sandman_ray.errors import DaemonError, SandmanError  # noqa: E402
+from sandman_ray.handle import SandboxHandle  # noqa: E402
+from sandman_ray.integrations.sandboxes import ensure_ray, sandbox_spec  # noqa: E402
+from sandman_ray.integrations.steps import step_done  # noqa: E402
+from sandman_ray.spec import SandboxSpec, check_pool_name  # noqa: E402
 
 try:
     from minisweagent.environments.local import LocalEnvironment
@@ -136,7 +139,7 @@ class SandmanEnvironmentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_sandbox_spec(self):
-        self._sandbox_spec = SandboxSpec.from_config(self.image, self.spec)
+        self._sandbox_spec = sandbox_spec(self.image, self.spec)
         return self
 
     @property
@@ -155,8 +158,7 @@ class SandmanEnvironment:
 
     def __init__(self, *, config_class: type = SandmanEnvironmentConfig, **kwargs):
         self.config = config_class(**kwargs)
-        if not ray.is_initialized():
-            ray.init()
+        ensure_ray()
         self.sandbox: Optional[SandboxHandle] = sandman.acquire(
             self.config.sandbox_spec, pool=self.config.pool,
             timeout=self.config.acquire_timeout_s, auto_resume=True)

@@ -55,15 +55,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any, Dict, Optional, Tuple, Union
 
-import skyrl_gym
-from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
+from sandman_ray.integrations import require_python
 
-import sandman_ray as sandman
-from sandman_ray.client import tar_of
-from sandman_ray.errors import DaemonError, SandmanError
-from sandman_ray.integrations.steps import step_done
-from sandman_ray.results import ExecResult
-from sandman_ray.spec import SandboxSpec, check_pool_name
+require_python("skyrl", "skyrl-gym 0.4", (3, 10))
+
+import skyrl_gym  # noqa: E402  (after the check: skyrl-gym's own import says nothing)
+from skyrl_gym.envs.base_text_env import (  # noqa: E402
+    BaseTextEnv, BaseTextEnvStepOutput, ConversationType)
+
+import sandman_ray as sandman  # noqa: E402
+from sandman_ray.errors import DaemonError, SandmanError  # noqa: E402
+from sandman_ray.integrations.sandboxes import (  # noqa: E402
+    SESSION, check_workdir, clip, output_text, prepare, sandbox_spec)
+from sandman_ray.integrations.steps import step_done  # noqa: E402
+from sandman_ray.spec import SandboxSpec, check_pool_name  # noqa: E402
 
 __all__ = ["ACTION_FORMAT", "ENV_ID", "SandboxTextEnv", "register_envs"]
 
@@ -80,7 +85,6 @@ _BASH_BLOCK = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
 _SUBMIT = re.compile(r"<submit\s*/?>")
 _CONFIG_KEYS = frozenset({"pool", "image", "spec", "workdir", "max_turns", "exec_timeout_s",
                           "task_timeout_s", "acquire_timeout_s", "max_output_chars"})
-SESSION = "default"
 # Output the daemon keeps per stream of a command (the rest is dropped there): the view
 # shown to the model is the head and tail of this, so the tail is the command's own for
 # any output up to it. Only a command that prints that much pays for it: ``cat`` of 1 MiB
@@ -109,10 +113,8 @@ class SandboxTextEnv(BaseTextEnv):
         except ValueError as exc:
             raise ValueError("SandboxTextEnv: env_config['pool']: %s" % exc) from None
         self.sandbox_spec = _spec(config, extras)
-        self.workdir = config.get("workdir", "/tmp/work")
-        if not isinstance(self.workdir, str) or not self.workdir.startswith("/"):
-            raise ValueError("SandboxTextEnv: env_config['workdir'] must be an absolute path, "
-                             "got %r" % (self.workdir,))
+        self.workdir = check_workdir(config.get("workdir", "/tmp/work"),
+                                     "SandboxTextEnv: env_config['workdir']")
         self.exec_timeout_s = _seconds(config, "exec_timeout_s", 30.0)
         self.task_timeout_s = _seconds(config, "task_timeout_s", 300.0)
         self.acquire_timeout_s = _seconds(config, "acquire_timeout_s", 120.0)
@@ -192,17 +194,8 @@ class SandboxTextEnv(BaseTextEnv):
 
     # ------------------------------------------------------------------ the episode
     def _prepare(self) -> None:
-        sandbox = self.sandbox
-        sandbox.mkdir(self.workdir)
-        if self.files:
-            sandbox.put_archive(self.workdir, tar_of(self.files))
-        sandbox.session_open(SESSION, cwd=self.workdir)
-        if self.setup:
-            result = sandbox.run(self.setup, session=SESSION, timeout=self.task_timeout_s)
-            if not result.ok:
-                raise SandmanError("SandboxTextEnv: the setup command %s in sandbox %s: %s"
-                                   % (_how_it_ended(result, self.task_timeout_s),
-                                      sandbox.sandbox_id(), _tail(result, 500)))
+        prepare(self.sandbox, self.workdir, self.files, self.setup, self.task_timeout_s,
+                SESSION)
 
     def _run(self, command: str) -> Tuple[str, Dict[str, Any]]:
         """Run the model's command in its shell: the observation and the step's metadata."""
@@ -228,7 +221,7 @@ class SandboxTextEnv(BaseTextEnv):
                 self.sandbox.session_open(SESSION)
                 notes.append("[the shell ended; %s is gone, so a new one starts in the "
                              "sandbox's working directory]" % self.workdir)
-        text = self._clipped(_output(result))
+        text = self._clipped(output_text(result))
         observation = "<output>\n%s%s</output>\n%s" % (
             text, "" if not text or text.endswith("\n") else "\n", "\n".join(notes))
         return observation, {"command": command, "exit_code": result.exit_code,
@@ -249,21 +242,14 @@ class SandboxTextEnv(BaseTextEnv):
         if result is not None:
             metadata.update(reward_exit_code=result.exit_code,
                             reward_timed_out=result.timed_out,
-                            reward_output=self._clipped(_output(result)))
+                            reward_output=self._clipped(output_text(result)))
         return BaseTextEnvStepOutput(observations=[],
                                      reward=1.0 if result is not None and result.ok else 0.0,
                                      done=True, metadata=metadata)
 
     # ------------------------------------------------------------------ helpers
     def _clipped(self, text: str) -> str:
-        """``text`` in at most ``max_output_chars`` characters (plus a note): its head
-        and its tail, where errors and test summaries are."""
-        cut = len(text) - self.max_output_chars
-        if cut <= 0:
-            return text
-        head = self.max_output_chars // 2
-        tail = self.max_output_chars - head
-        return "%s\n[... %d characters cut ...]\n%s" % (text[:head], cut, text[len(text) - tail:])
+        return clip(text, self.max_output_chars)
 
     def _release(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
@@ -310,23 +296,6 @@ def _parse(action: str) -> Tuple[Optional[str], Optional[str]]:
     return command, None
 
 
-def _output(result: ExecResult) -> str:
-    return (result.stdout + result.stderr).decode("utf-8", "replace")
-
-
-def _tail(result: ExecResult, chars: int) -> str:
-    text = _output(result).strip()
-    return (text[-chars:] if text else "no output")
-
-
-def _how_it_ended(result: ExecResult, timeout_s: float) -> str:
-    if result.timed_out:
-        return "timed out after %g s" % timeout_s
-    if result.exit_code is None:
-        return "ended its shell"
-    return "exited %d" % result.exit_code
-
-
 # ---------------------------------------------------------------------- configuration
 def _plain(value: Any, what: str) -> Dict[str, Any]:
     """A dict of plain values from a dict, an OmegaConf DictConfig (as SkyRL passes
@@ -351,7 +320,7 @@ def _unwrapped(value: Any) -> Any:
 
 def _spec(config: Dict[str, Any], extras: Dict[str, Any]) -> SandboxSpec:
     try:
-        spec = SandboxSpec.from_config(config.get("image"), config.get("spec"))
+        spec = sandbox_spec(config.get("image"), config.get("spec"))
         if extras.get("image") is not None:
             spec = dataclasses.replace(spec, image=extras["image"])
     except ValueError as exc:

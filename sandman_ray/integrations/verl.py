@@ -35,21 +35,22 @@ config (all optional):
     exec_timeout_s: per command (30). acquire_timeout_s: per sandbox (120).
     reward_command: run by ``calc_reward``; reward 1.0 when it exits 0.
     linger_s: how long an idle trajectory keeps its sandbox (60).
-    max_output_chars: output returned to the model per call (4000).
+    max_output_chars: output returned to the model per call (4000): a longer one keeps
+        its head and its tail (``sandboxes.clip``).
 """
 
 import asyncio
-import shlex
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import sandman_ray as sandman
-from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
+from sandman_ray.integrations.sandboxes import (
+    check_workdir, clip, output_text, prepare_async, sandbox_spec)
 from sandman_ray.integrations.steps import step_done_async, stepping
-from sandman_ray.spec import SandboxSpec, check_pool_name
+from sandman_ray.spec import check_pool_name
 
 try:  # verl's own base class and types when verl is installed
     from verl.tools.base_tool import BaseTool
@@ -110,10 +111,11 @@ class SandboxTool(BaseTool):
                              % (unknown, sorted(known)))
         self.pool = check_pool_name(config.get("pool", "default"))
         try:
-            self.spec = SandboxSpec.from_config(config.get("image"), config.get("spec"))
+            self.spec = sandbox_spec(config.get("image"), config.get("spec"))
         except ValueError as exc:
             raise ValueError("SandboxTool config: %s" % exc) from None
-        self.workdir = config.get("workdir", "/tmp/work")
+        self.workdir = check_workdir(config.get("workdir", "/tmp/work"),
+                                     "SandboxTool config['workdir']")
         self.exec_timeout_s = float(config.get("exec_timeout_s", 30.0))
         self.acquire_timeout_s = float(config.get("acquire_timeout_s", 120.0))
         self.reward_command = config.get("reward_command")
@@ -191,17 +193,8 @@ class SandboxTool(BaseTool):
         sandbox = await sandman.acquire_async(self.spec, pool=self.pool,
                                               timeout=self.acquire_timeout_s, auto_resume=True)
         try:
-            await sandbox.mkdir.remote(self.workdir)
-            if create_kwargs.get("files"):
-                await sandbox.put_archive.remote(self.workdir, tar_of(create_kwargs["files"]))
-            await sandbox.run.remote("cd " + shlex.quote(self.workdir),
-                                     timeout=self.exec_timeout_s)
-            if create_kwargs.get("setup"):
-                result = await sandbox.run.remote(create_kwargs["setup"],
-                                                  timeout=self.exec_timeout_s)
-                if result.exit_code != 0:
-                    raise SandmanError("setup command exited %s: %s"
-                                       % (result.exit_code, result.stderr[-500:]))
+            await prepare_async(sandbox, self.workdir, create_kwargs.get("files"),
+                                create_kwargs.get("setup"), self.exec_timeout_s)
             await step_done_async(sandbox)  # the model writes the first call now
         except BaseException:
             await sandman.release_async(sandbox)
@@ -222,10 +215,7 @@ class SandboxTool(BaseTool):
         started = time.perf_counter()
         async with stepping(sandbox):
             result = await sandbox.run.remote(command, timeout=self.exec_timeout_s)
-        text = (result.stdout + result.stderr).decode("utf-8", "replace")
-        if len(text) > self.max_output_chars:
-            text = text[:self.max_output_chars] + "\n[... %d more characters]" % (
-                len(text) - self.max_output_chars)
+        text = clip(output_text(result), self.max_output_chars)
         if result.timed_out:
             text += "\n[timed out after %g s]" % self.exec_timeout_s
         text += "\n[exit code %s]" % result.exit_code

@@ -1,0 +1,115 @@
+"""What the integrations share about their sandboxes: which sandbox a config describes
+(``image`` or ``spec``), the Ray they lease it on, a task's working directory made
+ready in it (its files, a shell there, its setup), and the one rule for how much of a
+command's output a model is shown.
+
+verl's tool, SkyRL's env, mini-swe-agent's environment and SWE-ReX's deployment each
+take these from here, so that one config means the same sandbox everywhere and a task
+is prepared the same way whichever framework runs it.
+"""
+
+from typing import Any, Mapping, Optional, Union
+
+import ray
+
+from sandman_ray.client import tar_of
+from sandman_ray.errors import SandmanError
+from sandman_ray.results import ExecResult
+from sandman_ray.spec import SandboxSpec
+
+# The shell session a task's commands run in, opened in its working directory: the
+# daemon's default one, which ``run`` uses when no session is named.
+SESSION = "default"
+
+
+def sandbox_spec(image: Optional[str], spec: Optional[Mapping[str, Any]]) -> SandboxSpec:
+    """The sandbox a config describes: ``image`` alone, or ``spec`` (a dict of
+    SandboxSpec fields); both given, or a bad value, is a ValueError that names it."""
+    return SandboxSpec.from_config(image, spec)
+
+
+def ensure_ray() -> None:
+    """The process's Ray, or ``ray.init()`` (which joins the cluster ``RAY_ADDRESS``
+    names, if set): an integration is made by a framework that may not have started
+    Ray."""
+    if not ray.is_initialized():
+        ray.init()
+
+
+def output_text(result: ExecResult) -> str:
+    """What a command wrote, stdout then stderr, as text (undecodable bytes replaced)."""
+    return (result.stdout + result.stderr).decode("utf-8", "replace")
+
+
+def clip(text: str, max_chars: int) -> str:
+    """``text`` in at most ``max_chars`` characters, plus a note of what was cut: its
+    head and its tail, where a command says what it does and how it ended (errors,
+    test summaries)."""
+    cut = len(text) - max_chars
+    if cut <= 0:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return "%s\n[... %d characters cut ...]\n%s" % (text[:head], cut, text[len(text) - tail:])
+
+
+def _preparing(sandbox_id: str, workdir: str,
+               files: Optional[Mapping[str, Union[str, bytes]]], setup: Optional[str],
+               timeout_s: float, session: str):
+    """The steps that make a task's working directory ready, as (op, args, kwargs) for
+    the sandbox; each is sent the step's result. The directory is made, ``files``
+    (relative path -> contents) put in it, a shell session opened there, and ``setup``
+    run in that session (what it exports stays for the task's commands)."""
+    yield "mkdir", (workdir,), {}
+    if files:
+        yield "put_archive", (workdir, tar_of(dict(files))), {}
+    yield "session_open", (session,), {"cwd": workdir}
+    if setup:
+        result = yield "run", (setup,), {"session": session, "timeout": timeout_s}
+        if not result.ok:
+            ended = ("timed out after %g s" % timeout_s if result.timed_out else
+                     "ended its shell" if result.exit_code is None else
+                     "exited %d" % result.exit_code)
+            raise SandmanError("the setup command %s in sandbox %s: %s"
+                               % (ended, sandbox_id, _tail(result, 500)))
+
+
+def _tail(result: ExecResult, chars: int) -> str:
+    text = output_text(result).strip()
+    return text[-chars:] if text else "no output"
+
+
+def prepare(sandbox, workdir: str, files: Optional[Mapping[str, Union[str, bytes]]] = None,
+            setup: Optional[str] = None, timeout_s: float = 600.0,
+            session: str = SESSION) -> None:
+    """Make a task's working directory ready in ``sandbox`` (a SandboxHandle), with
+    direct calls; SandmanError when the setup fails (see ``_preparing``)."""
+    steps = _preparing(sandbox.sandbox, workdir, files, setup, timeout_s, session)
+    try:
+        op, args, kwargs = next(steps)
+        while True:
+            op, args, kwargs = steps.send(getattr(sandbox, op)(*args, **kwargs))
+    except StopIteration:
+        pass
+
+
+async def prepare_async(sandbox, workdir: str,
+                        files: Optional[Mapping[str, Union[str, bytes]]] = None,
+                        setup: Optional[str] = None, timeout_s: float = 600.0,
+                        session: str = SESSION) -> None:
+    """``prepare`` for asyncio callers."""
+    steps = _preparing(sandbox.sandbox, workdir, files, setup, timeout_s, session)
+    try:
+        op, args, kwargs = next(steps)
+        while True:
+            op, args, kwargs = steps.send(await getattr(sandbox, op + "_async")(*args, **kwargs))
+    except StopIteration:
+        pass
+
+
+def check_workdir(workdir: Any, setting: str) -> str:
+    """``workdir`` if it is an absolute path; a ValueError that names the ``setting``
+    it came from otherwise."""
+    if not isinstance(workdir, str) or not workdir.startswith("/"):
+        raise ValueError("%s must be an absolute path, got %r" % (setting, workdir))
+    return workdir

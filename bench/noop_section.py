@@ -131,6 +131,25 @@ class SweRex:
         self.loop.close()
 
 
+class SandmanRex:
+    """SWE-ReX's client API on sandman: a SandmanRuntime on the bench's handle (its calls
+    are the handle's direct ones), with its default bash session open."""
+
+    def __init__(self, sb):
+        from sandman_ray.integrations.swerex import SandmanRuntime
+        from swerex.runtime.abstract import CreateBashSessionRequest
+        self.loop = asyncio.new_event_loop()
+        self.runtime = SandmanRuntime(sb)
+        self.loop.run_until_complete(self.runtime.create_session(CreateBashSessionRequest()))
+
+    execute = SweRex.execute
+    run_in_session = SweRex.run_in_session
+
+    def close(self):
+        self.loop.run_until_complete(self.runtime.close())
+        self.loop.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,6 +177,7 @@ def noop(samples: int, rounds: int = 50) -> dict:
     # the daemon client on the handle's own sandbox (its lease's address and token):
     # the direct calls' yardstick, the same daemon under the same limits
     same = DaemonClient(sb._direct.address, sb._direct.token)
+    ours = SandmanRex(sb)
     try:
         client.run("true")
         ray.get(sb.run.remote("true"))  # both sessions open before timing
@@ -177,8 +197,11 @@ def noop(samples: int, rounds: int = 50) -> dict:
             "daemon client, the handle's sandbox: session true": lambda: same.run("true"),
             "SWE-ReX: execute true": swerex.execute,
             "SWE-ReX: run_in_session true": swerex.run_in_session,
+            "SWE-ReX client on SandmanRuntime: execute true": ours.execute,
+            "SWE-ReX client on SandmanRuntime: run_in_session true": ours.run_in_session,
         }
-        slow = {"SWE-ReX: execute true", "SWE-ReX: run_in_session true"}
+        slow = {"SWE-ReX: execute true", "SWE-ReX: run_in_session true",
+                "SWE-ReX client on SandmanRuntime: run_in_session true"}
         times: Dict[str, List[float]] = {name: [] for name in rows}
         for fn in rows.values():  # warm up
             for _ in range(20):
@@ -200,6 +223,7 @@ def noop(samples: int, rounds: int = 50) -> dict:
         minimal.wait()
         shutil.rmtree(minimal_dir, ignore_errors=True)
         swerex.close()
+        ours.close()
         client.close()
         same.close()
         sandman.release(sb)
@@ -222,7 +246,14 @@ def noop(samples: int, rounds: int = 50) -> dict:
         / p50["daemon client, the handle's sandbox: session true"],
         "SWE-ReX execute / exec": p50["SWE-ReX: execute true"] / p50["public API: exec true"],
         "SWE-ReX run_in_session / session": p50["SWE-ReX: run_in_session true"]
-        / p50["public API: session true"]}
+        / p50["public API: session true"],
+        "SWE-ReX server / SandmanRuntime, execute": p50["SWE-ReX: execute true"]
+        / p50["SWE-ReX client on SandmanRuntime: execute true"],
+        "SWE-ReX server / SandmanRuntime, run_in_session": p50["SWE-ReX: run_in_session true"]
+        / p50["SWE-ReX client on SandmanRuntime: run_in_session true"],
+        "SandmanRuntime run_in_session / direct session":
+            p50["SWE-ReX client on SandmanRuntime: run_in_session true"]
+            / p50["direct: session true"]}
     return out
 
 
@@ -245,7 +276,14 @@ def noop_rows(noop: dict) -> List[tuple]:
               ("SWE-ReX execute / public API exec", "SWE-ReX execute / exec", "%.1fx",
                "target >= 1.5x"),
               ("SWE-ReX run_in_session / public API session",
-               "SWE-ReX run_in_session / session", "%.1fx", "target >= 50x"))
+               "SWE-ReX run_in_session / session", "%.1fx", "target >= 50x"),
+              ("SWE-ReX's client: its own server / SandmanRuntime, execute",
+               "SWE-ReX server / SandmanRuntime, execute", "%.1fx", ""),
+              ("SWE-ReX's client: its own server / SandmanRuntime, run_in_session",
+               "SWE-ReX server / SandmanRuntime, run_in_session", "%.1fx", ""),
+              ("SandmanRuntime run_in_session / direct session",
+               "SandmanRuntime run_in_session / direct session", "%.1fx",
+               "a terminal, bash -n first"))
     for label, key, fmt, note in ratios:
         rows.append(("noop", label, fmt % noop["ratios"][key], note))
     return rows

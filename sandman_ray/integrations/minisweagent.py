@@ -46,7 +46,8 @@ require_python("minisweagent", "mini-swe-agent 2.4", (3, 10))
 import sandman_ray as sandman  # noqa: E402  (after the check: Ray needs no older Python)
 from sandman_ray.errors import DaemonError, SandmanError  # noqa: E402
 from sandman_ray.handle import SandboxHandle  # noqa: E402
-from sandman_ray.integrations.sandboxes import ensure_ray, sandbox_spec  # noqa: E402
+from sandman_ray.integrations.sandboxes import (  # noqa: E402
+    MERGE_STDERR, ensure_ray, sandbox_spec)
 from sandman_ray.integrations.steps import step_done  # noqa: E402
 from sandman_ray.spec import SandboxSpec, check_pool_name  # noqa: E402
 
@@ -72,10 +73,6 @@ UNAME_FIELDS = (("system", "s"), ("node", "n"), ("release", "r"), ("version", "v
 # the variables a command starts with, NUL-separated.
 SYSTEM_PROBE = "printf '%%s\\n' %s; cat /proc/self/environ" % " ".join(
     '"$(uname -%s)"' % flag for _, flag in UNAME_FIELDS)
-# Runs the argv after it with stderr on stdout, one stream in the order written (the
-# output LocalEnvironment gives); ``exec`` keeps the command the process the daemon
-# waits for and kills.
-MERGE_STDERR = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh"]
 # Output kept per action: the daemon's most per stream (LocalEnvironment keeps all of it;
 # past this the end is dropped, and the answer says so).
 OUTPUT_KEPT_BYTES = 16 * 1024 * 1024

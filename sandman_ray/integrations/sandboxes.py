@@ -17,6 +17,10 @@ from sandman_ray.errors import SandmanError
 from sandman_ray.results import ExecResult
 from sandman_ray.spec import SandboxSpec
 
+# Runs the argv after it with stderr on stdout, one stream in the order written (what a
+# terminal or a merged pipe shows); ``exec`` keeps the command the process the daemon
+# waits for and kills.
+MERGE_STDERR = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh"]
 # The shell session a task's commands run in, opened in its working directory: the
 # daemon's default one, which ``run`` uses when no session is named.
 SESSION = "default"

@@ -69,7 +69,9 @@ class IdRange:
 def range_processes(bases) -> List[int]:
     """Pids of live processes whose uid lies in one of the ranges that start at
     ``bases`` (from the owner of /proc/<pid>, which is the process's uid, or the root
-    of its user namespace for one that is not dumpable: the daemon's)."""
+    of its user namespace for one that is not dumpable: the daemon's). A zombie is not
+    live: it holds nothing and runs nothing, and a killed sandbox's daemon is one until
+    the host's init reaps it (1.3-1.7 s here, which every agent's shutdown waited)."""
     bases = sorted(bases)
     if not bases:
         return []
@@ -81,9 +83,19 @@ def range_processes(bases) -> List[int]:
             uid = os.stat("/proc/" + name).st_uid
         except OSError:
             continue
-        if uid >= FIRST_ID and any(base <= uid < base + RANGE_SIZE for base in bases):
+        if uid >= FIRST_ID and any(base <= uid < base + RANGE_SIZE for base in bases) \
+                and not _dead("/proc/" + name):
             found.append(int(name))
     return found
+
+
+def _dead(proc_dir: str) -> bool:
+    """Whether the process is a zombie, or gone (its state Z or X)."""
+    try:
+        with open(proc_dir + "/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def make_userns(base: int) -> int:

@@ -10,6 +10,7 @@ from typing import Dict, Optional
 import ray
 
 from sandman_ray.errors import SandmanError
+from sandman_ray.spec import check_pool_name
 from sandman_ray.pool.cluster import NAMESPACE, pool_actor_name
 
 _pools: Dict[str, object] = {}  # pool name -> actor handle
@@ -49,6 +50,7 @@ def get_pool(name: str = "default", refresh: bool = False):
     pool = None if refresh else _pools.get(name)
     if pool is not None:
         return pool
+    check_pool_name(name)  # a name that no pool can have is the caller's mistake: say so
     try:
         pool = ray.get_actor(pool_actor_name(name), namespace=NAMESPACE)
     except ValueError:

@@ -249,6 +249,35 @@ def test_a_round_of_touches_restarts_the_idle_clock_of_the_leases_their_holders_
     run(main())
 
 
+def test_an_idle_sandbox_that_died_is_replaced_and_a_stray_deleted():
+    """The inventory check: a READY sandbox the provider reports dead is never lent, it
+    is deleted and the warm target makes another; one no record knows is deleted; a
+    dead leased one is its holder's to find (SandboxLost) and stays until released."""
+    async def main():
+        pool, provider, _, cluster = make(warm={SPEC: 2})
+        await settle(pool)
+        cluster.hosts = {"h1"}
+        lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        await settle(pool)
+        idle = [r.sandbox_id for r in pool.records.walk(State.READY)]
+        dead = idle[0]
+        provider.sandboxes[dead] = dataclasses.replace(provider.sandboxes[dead], alive=False)
+        provider.sandboxes[lease.sandbox_id] = dataclasses.replace(
+            provider.sandboxes[lease.sandbox_id], alive=False)
+        provider.sandboxes["sbx-stray"] = provider._info("sbx-stray", SPEC, {POOL_LABEL: "p"},
+                                                         NODE)
+        await pool.check_inventory()
+        await settle(pool)
+        ready = [r.sandbox_id for r in pool.records.walk(State.READY)]
+        return dead, ready, lease, pool, provider
+
+    dead, ready, lease, pool, provider = run(main())
+    assert dead not in ready and dead not in provider.sandboxes and len(ready) == 2
+    assert "sbx-stray" not in provider.sandboxes
+    assert pool.records.leased(lease.lease_id) is not None
+    assert pool.stats["lost"] == 1
+
+
 def test_a_lease_whose_host_died_is_reclaimed():
     async def main():
         pool, _, clock, cluster = make(warm={SPEC: 1})
@@ -344,6 +373,25 @@ def test_surplus_is_deleted_only_after_it_lingered():
         await settle(pool)
         assert pool.records.count(State.READY) == 1 and len(provider.sandboxes) == 1
     run(main())
+
+
+def test_lowering_a_warm_target_deletes_the_surplus_at_once_not_the_leases():
+    async def main():
+        pool, provider, clock, cluster = make(warm={SPEC: 3})
+        await settle(pool)
+        lease = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        await settle(pool)  # refilled: 3 ready, 1 leased
+        before = pool.records.count(State.READY)
+        pool.set_warm(SPEC, 1)
+        await settle(pool)
+        after = pool.records.count(State.READY)
+        pool.set_warm(SPEC, 0)
+        await settle(pool)
+        return before, after, pool.records.count(State.READY), pool, lease
+
+    before, after, last, pool, lease = run(main())
+    assert (before, after, last) == (3, 1, 0)  # no lingering: asked for
+    assert pool.records.leased(lease.lease_id) is not None
 
 
 def test_a_fatal_create_fails_the_waiters_at_once_and_transient_ones_are_retried():

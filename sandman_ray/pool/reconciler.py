@@ -42,7 +42,7 @@ TICK_S = 0.05          # reconcile at least this often while anything is pending
 EVENT_LOG = 5000       # transitions kept for ``events``
 # How often the pool compares the provider's inventory with its records: a create that
 # finished after the pool restarted (its request died with the old process) leaves a
-# sandbox no record knows, which is deleted.
+# sandbox no record knows, which is deleted; an idle sandbox that died is replaced.
 INVENTORY_INTERVAL_S = 5.0
 NODE_CHECK_S = 1.0     # how often the pool asks which Ray nodes are alive
 
@@ -95,7 +95,7 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
                     await self.drop_dead_nodes()
                 if now >= next_inventory:
                     next_inventory = now + INVENTORY_INTERVAL_S
-                    await self.delete_strays()
+                    await self.check_inventory()
             except Exception:
                 logger.exception("pool %s: reconcile failed", self.name)
             try:

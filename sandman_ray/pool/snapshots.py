@@ -142,10 +142,13 @@ class SnapshotOps:
         if others + count > self.config.max_sandboxes:
             raise ValueError("pool %s: warm targets of %d sandboxes exceed max_sandboxes=%d"
                              % (self.name, others + count, self.config.max_sandboxes))
+        lowered = count < self.config.warm.get(spec, 0)
         if count:
             self.config.warm[spec] = count
         else:
             self.config.warm.pop(spec, None)
+        if lowered:  # asked for: the surplus goes now, without lingering
+            self.delete_surplus(self.wanted(), linger=False)
         self.kick()
         warm = collections.Counter()
         for s, n in self.config.warm.items():

@@ -88,8 +88,9 @@ class Supply:
                 (musts if waiter.only else wants).append(node)
         return musts, wants
 
-    def delete_surplus(self, wanted: Dict[SandboxSpec, int]) -> None:
-        """READY sandboxes beyond what their spec wants, once they have lingered."""
+    def delete_surplus(self, wanted: Dict[SandboxSpec, int], linger: bool = True) -> None:
+        """READY sandboxes beyond what their spec wants, once they have lingered (all of
+        them at once with ``linger`` False: a warm target lowered on purpose)."""
         now = self.clock.monotonic()
         for spec in list(self.records.ready):
             extra = self.records.supply.get(spec, 0) - wanted.get(spec, 0)
@@ -97,7 +98,7 @@ class Supply:
                 continue
             for rec in list(itertools.islice(self.records.ready[spec].values(), extra)):
                 self.records.visited += 1
-                if now - rec.since <= SURPLUS_LINGER_S:
+                if linger and now - rec.since <= SURPLUS_LINGER_S:
                     break  # oldest first: the rest lingered less
                 self._delete_soon(rec, "surplus")
 

@@ -1,7 +1,7 @@
 """The pool's upkeep, a mixin of the Reconciler (the state is the Reconciler's): the
 watchdog, which ends leases that no live host holds or that outlived their TTL or idle
 timeout, forgets the sandboxes of dead Ray nodes and deletes the provider's sandboxes
-of this pool that no record knows; and the recovery of a restarted pool from the
+of this pool that no record knows and the idle ones that died; and the recovery of a restarted pool from the
 provider's inventory and the leases its live hosts hold.
 """
 
@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class Upkeep:
-    """``sweep``, ``drop_dead_nodes``, ``gc``, ``delete_strays`` and ``recover`` of the
+    """``sweep``, ``drop_dead_nodes``, ``gc``, ``check_inventory`` and ``recover`` of the
     Reconciler."""
 
     # ------------------------------------------------------------------ watchdog
@@ -101,9 +101,18 @@ class Upkeep:
         self.metrics.deleted("stray")
         await self._provider_delete(info.sandbox_id)
 
-    async def delete_strays(self) -> None:
-        for info in await self.strays():
-            await self._delete_stray(info)
+    async def check_inventory(self) -> None:
+        """The provider's sandboxes of this pool against the records: one no record
+        knows is deleted (a stray), and a READY one that died while idle (its daemon
+        killed, its process gone) is deleted, so that no acquire is lent it and the
+        warm target makes another."""
+        for info in await self.provider.list({POOL_LABEL: self.name}):
+            rec = self.records.get(info.sandbox_id)
+            if rec is None:
+                await self._delete_stray(info)
+            elif not info.alive and rec.state is State.READY:
+                self.stats["lost"] += 1
+                self._delete_soon(rec, "lost: it died while idle")
 
     # ------------------------------------------------------------------ recovery
     async def recover(self) -> None:

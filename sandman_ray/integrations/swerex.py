@@ -23,7 +23,8 @@ gives it back. The runtime answers as SWE-ReX's own ``LocalRuntime`` does in a c
   SWE-ReX's ``pexpect`` session is (``swerex_shell.BashSession``): output is what the
   terminal shows, an interactive program (``python``, ``gdb``) is driven by
   ``is_interactive_command`` and ``expect``, and ``BashInterruptAction`` types Ctrl-C
-  (then Ctrl-Z and ``kill -9 %1``); a command is checked with ``bash -n`` first.
+  (then Ctrl-Z and a SIGKILL of the stopped job); a command is checked with ``bash -n``
+  first.
 - Files are read and written in the sandbox; ``upload`` copies a file or directory of
   this machine into it.
 

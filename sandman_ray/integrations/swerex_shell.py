@@ -35,6 +35,17 @@ READ_WAIT_S = 30.0
 TERMINAL_BYTES = 8 * 1024 * 1024
 # SWE-ReX's terminal: pexpect's default size.
 COLS, ROWS = 80, 24
+# SIGKILLs the process group of each stopped child of $1 (bash), and prints the groups.
+_KILL_STOPPED = (
+    'for d in /proc/[0-9]*; do read -r _ _ state parent group _ < "$d/stat" 2>/dev/null '
+    '|| continue; [ "$parent" = "$1" ] && [ "$state" = T ] && kill -9 -"$group" '
+    '2>/dev/null && echo "$group"; done; exit 0')
+# Exits 1 while a child of $1 (bash) in one of the groups after it is left, in any
+# state (a zombie until bash reaps it).
+_IN_GROUPS = (
+    'bash=$1; shift; for d in /proc/[0-9]*; do read -r _ _ _ parent group _ < "$d/stat" '
+    '2>/dev/null || continue; [ "$parent" = "$bash" ] || continue; for g; do '
+    '[ "$group" = "$g" ] && exit 1; done; done; exit 0')
 # Control sequences a terminal program writes (colours, cursor moves, bracketed paste).
 _CONTROL = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
 
@@ -53,6 +64,7 @@ class BashSession:
         # any of this session's prompts: (command number, exit code)
         self.prompts = re.compile(r"__SANDMAN_%s_(\d+)_(\d+)__" % self.marker)
         self.pty: Optional[int] = None
+        self.pid: Optional[int] = None  # bash's, in the sandbox
         self.cursor = 0
         self.pending = ""  # read, not yet part of an answer
         self.decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
@@ -68,7 +80,7 @@ class BashSession:
             ["/bin/sh", "-c", "stty -echo 2>/dev/null; printf '%s'; exec bash" % ready],
             cols=COLS, rows=ROWS, env={"PS1": "", "PS2": "", "PS0": ""},
             buffer_bytes=TERMINAL_BYTES)
-        self.pty = opened["pty"]
+        self.pty, self.pid = opened["pty"], opened["pid"]  # the pid is bash's (exec)
         try:
             await self._expect([ready], self.request.startup_timeout)
         except _Timeout as exc:
@@ -149,7 +161,7 @@ class BashSession:
 
     async def _interrupt(self, action: BashInterruptAction) -> BashObservation:
         """Ctrl-C up to ``n_retry`` times, each waiting ``timeout`` for bash; then
-        Ctrl-Z and ``kill -9 %1``."""
+        Ctrl-Z and a SIGKILL of the stopped job."""
         output = ""
         for _ in range(action.n_retry):
             typed = self._type("\x03")
@@ -160,15 +172,30 @@ class BashSession:
             return BashObservation(output=(output + _clean(before)).strip(), exit_code=0,
                                    expect_string=_matched(action, found))
         try:
-            before, _ = await self._expect(action.expect, action.timeout,
-                                           typed=self._type("\x1a"))
-            output += _clean(before)
             before, found = await self._expect(action.expect, action.timeout,
-                                               typed=self._type("kill -9 %1\n"))
+                                               typed=self._type("\x1a"))
         except _Timeout as exc:
             raise CommandTimeoutError("failed to interrupt session %s" % action.session) from exc
+        await self._kill_stopped(max(action.timeout, 1.0))
         return BashObservation(output=(output + _clean(before)).strip(), exit_code=0,
                                expect_string=_matched(action, found))
+
+    async def _kill_stopped(self, timeout: float) -> None:
+        """SIGKILL the job Ctrl-Z stopped (every process group of bash's stopped
+        children), from beside bash rather than by its ``kill %1``, and wait (up to
+        ``timeout`` s) until bash has reaped it. bash, idle at its prompt meanwhile,
+        says ``Killed`` before the next command's prompt, as it does in SWE-ReX's
+        session (where a command's own ``kill`` raced bash's reaping: the word came
+        with either command)."""
+        killed = await self.sandbox.exec_async(["/bin/sh", "-c", _KILL_STOPPED, "sh",
+                                                str(self.pid)])
+        groups = killed.stdout.decode().split()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while groups and asyncio.get_running_loop().time() < deadline:
+            left = await self.sandbox.exec_async(["/bin/sh", "-c", _IN_GROUPS, "sh",
+                                                  str(self.pid), *groups])
+            if left.exit_code == 0:
+                return
 
     async def _check_syntax(self, command: str) -> None:
         checked = await self.sandbox.exec_async(["bash", "-n"], stdin=command.encode() + b"\n")

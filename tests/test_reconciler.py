@@ -394,6 +394,30 @@ def test_lowering_a_warm_target_deletes_the_surplus_at_once_not_the_leases():
     assert pool.records.leased(lease.lease_id) is not None
 
 
+def test_a_waiter_held_back_by_max_sandboxes_gets_room_from_an_unwanted_idle_one():
+    """At max_sandboxes, a READY sandbox of another spec that nothing wants (lingering
+    for its kind's next acquire) is deleted at once for a waiter, not after lingering;
+    a warm one, which its target wants, is not."""
+    other = SandboxSpec(image="host", ttl_s=60)
+    async def main():
+        pool, provider, clock, cluster = make(max_sandboxes=2, warm={SPEC: 1})
+        await settle(pool)
+        asked = asyncio.ensure_future(pool.lease(other, "c1", 5))
+        await settle(pool)  # created for it
+        lease = await asked
+        pool.release(lease.lease_id)
+        await settle(pool)  # reset: a READY ``other`` no one wants, lingering
+        assert pool.records.count(State.READY) == 2
+        task = asyncio.ensure_future(pool.lease(SandboxSpec(image="dir:/busybox"), "c2", 5))
+        await settle(pool, ticks=6)
+        got = await task
+        return got, pool, provider
+
+    got, pool, provider = run(main())
+    specs = [r.spec for r in pool.records.values() if r.state is not State.GONE]
+    assert got.sandbox_id in provider.sandboxes and SPEC in specs and other not in specs
+
+
 def test_a_fatal_create_fails_the_waiters_at_once_and_transient_ones_are_retried():
     async def main():
         pool, provider, _, _ = make()

@@ -54,6 +54,8 @@ class Supply:
                 else ([], [])
             nodes = musts + wants
             for _ in range(max(missing, len(musts))):
+                if held >= self.config.max_sandboxes and spec in self.waiters.per_spec:
+                    self._make_room(spec, wanted)  # the next tick creates in the room made
                 if held >= self.config.max_sandboxes or starting >= self.config.max_starting:
                     return
                 if not self.bucket.take():
@@ -69,6 +71,20 @@ class Supply:
                 held += 1
                 starting += 1
                 asyncio.get_running_loop().create_task(self._create(rec))
+
+    def _make_room(self, spec: SandboxSpec, wanted: Dict[SandboxSpec, int]) -> None:
+        """A waiter for ``spec`` is held back by ``max_sandboxes`` alone: a READY sandbox
+        of another spec that nothing wants (a surplus lingering for a next acquire of
+        its kind) is deleted now, so that one of ``spec`` can be made. One at a time
+        (none while a delete is under way: room is coming), the oldest surplus first."""
+        if self.records.count(State.DELETING):
+            return
+        for other in list(self.records.ready):
+            if other == spec or self.records.supply.get(other, 0) <= wanted.get(other, 0):
+                continue
+            oldest = next(iter(self.records.ready[other].values()))
+            self._delete_soon(oldest, "surplus: room for a waiting acquire")
+            return
 
     def _nodes_to_create(self, spec: SandboxSpec) -> tuple:
         """The nodes new sandboxes of ``spec`` should be created on for the waiters: one

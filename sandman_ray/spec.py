@@ -15,6 +15,12 @@ _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 
 
+# The shortest idle timeout a lease may have: a process tells its pool which of its
+# leases it used at most ~2 s after the call (sandman_ray.touches: a note per lease and
+# second, a round per second), so a shorter timeout could end a lease in use.
+MIN_IDLE_TIMEOUT_S = 5.0
+
+
 def check_pool_name(name) -> str:
     """A pool's name goes into actor names, directories, cgroups and Kubernetes labels:
     1 to 63 letters, digits, '.', '_' or '-', starting with a letter or digit."""
@@ -135,7 +141,7 @@ class SandboxSpec:
         user, else root inside the sandbox).
     ttl_s: the lease ends this long after it began, and the sandbox is reclaimed
         (None: the pool's ``sandbox_ttl_s``).
-    idle_timeout_s: the lease ends after this long without a call (at least 10 s;
+    idle_timeout_s: the lease ends after this long without a call (at least 5 s;
         None: the pool's ``idle_timeout_s``).
     labels: free-form key/value pairs attached to the sandbox (listing, ownership).
     capabilities: kernel features the sandbox may use that every sandbox is refused
@@ -189,10 +195,9 @@ class SandboxSpec:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise ValueError("SandboxSpec.%s must be positive seconds, got %r" % (name, value))
-        if self.idle_timeout_s is not None and self.idle_timeout_s < 10:
-            # handles report use at most every 2 s: a shorter timeout would end busy leases
-            raise ValueError("SandboxSpec.idle_timeout_s must be at least 10 s, got %r"
-                             % (self.idle_timeout_s,))
+        if self.idle_timeout_s is not None and self.idle_timeout_s < MIN_IDLE_TIMEOUT_S:
+            raise ValueError("SandboxSpec.idle_timeout_s must be at least %g s, got %r"
+                             % (MIN_IDLE_TIMEOUT_S, self.idle_timeout_s))
         for key, value in self.labels.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ValueError("SandboxSpec.labels must map strings to strings, got %r=%r"
@@ -341,11 +346,9 @@ class PoolConfig:
         positive("default_pids", integer=True, optional=True)
         self.default_memory = parse_bytes(self.default_memory, "PoolConfig.default_memory")
         self.default_disk = parse_bytes(self.default_disk, "PoolConfig.default_disk")
-        if self.idle_timeout_s is not None and self.idle_timeout_s < 10:
-            # handles report use at most every 2 s; a shorter timeout would reclaim
-            # sandboxes that are busy
-            raise ValueError("PoolConfig.idle_timeout_s must be at least 10 s, got %r"
-                             % (self.idle_timeout_s,))
+        if self.idle_timeout_s is not None and self.idle_timeout_s < MIN_IDLE_TIMEOUT_S:
+            raise ValueError("PoolConfig.idle_timeout_s must be at least %g s, got %r"
+                             % (MIN_IDLE_TIMEOUT_S, self.idle_timeout_s))
         if self.reuse not in ("reset", "delete"):
             raise ValueError("PoolConfig.reuse must be 'reset' or 'delete', got %r" % (self.reuse,))
         if not isinstance(self.pause_between_steps, bool):

@@ -114,7 +114,7 @@ def test_the_next_tenant_gets_nothing_of_the_last_ones_commands_or_terminals(pro
         sandman.shutdown_pool(pool)
 
 
-@pytest.mark.parametrize("limit", [{"ttl_s": 1.0}, {"idle_timeout_s": 10.0}])
+@pytest.mark.parametrize("limit", [{"ttl_s": 1.0}, {"idle_timeout_s": 5.0}])
 def test_a_lease_ended_by_ttl_or_idleness_cannot_reach_the_next_tenant(provider, busybox_rootfs,
                                                                        limit):
     import ray

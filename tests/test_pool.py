@@ -17,7 +17,8 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
 from conftest import (
-    ROOT, exercise_handle, holding_driver, local_ray, restart_keeps_specs, unique_pool,
+    RAY_NAMESPACE, ROOT, exercise_handle, holding_driver, local_ray, restart_keeps_specs,
+    unique_pool,
     wait_until)
 
 STATE = "/tmp/sandman-ray-test/pool-state"
@@ -26,7 +27,7 @@ CACHE = str(ROOT / ".cache" / "provider")
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from local_ray("sandman-pool-tests")
+    yield from local_ray()
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,11 @@ def make_pool(provider=None, **config):
                        "p", **config)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool(cluster):
+    """A pool the module's tests share (each gives back what it takes: a test that
+    leaks a lease fails the next one's counts); a test that needs a pool of a config of
+    its own makes it."""
     name = make_pool()
     yield name
     sandman.shutdown_pool(name)
@@ -282,8 +286,8 @@ def test_direct_calls_keep_their_lease_in_use(cluster, image):
     it while they go on, and does once they stop."""
     pool = make_pool(warm={image: 1})
     try:
-        sb = sandman.acquire(sandman.SandboxSpec(image=image, idle_timeout_s=10.0), pool=pool)
-        until = time.monotonic() + 13.0
+        sb = sandman.acquire(sandman.SandboxSpec(image=image, idle_timeout_s=5.0), pool=pool)
+        until = time.monotonic() + 7.0
         while time.monotonic() < until:  # longer than the idle timeout
             assert sb.exec("true").exit_code == 0
             time.sleep(0.5)
@@ -424,7 +428,7 @@ def provider_sandboxes(pool):
 def test_sigkilled_driver_leaves_no_leased_sandbox(cluster, image):
     pool = make_pool(max_starting=32)
     try:
-        proc = holding_driver(cluster, "sandman-pool-tests", pool, image, 20)
+        proc = holding_driver(cluster, RAY_NAMESPACE, pool, image, 20)
         assert states(pool)["leased"] == 20
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -600,7 +604,7 @@ PER_CLIENT = int(os.environ.get("SANDMAN_FAIRNESS_PER_CLIENT", "20"))
 def test_clients_are_served_fairly_and_creates_are_paced(cluster, image):
     """4 client processes ask for 20 sandboxes each at the same moment (80 handle
     actors, about a minute here; SANDMAN_FAIRNESS_PER_CLIENT sets another count)."""
-    rate = 8.0
+    rate = 16.0
     pool = make_pool(create_rate_per_s=rate, create_burst=1, max_starting=16,
                      lease_grace_s=300.0)  # a handle may wait minutes for its worker
     procs = []

@@ -15,7 +15,7 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.local import leftovers
 from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT
-from conftest import ROOT, freezer_state, require_bwrap, unique_pool, wait_until
+from conftest import ROOT, freezer_state, shared_ray, unique_pool, wait_until
 
 STATE = "/tmp/sandman-ray-test/snapshot-state"
 CACHE = ROOT / ".cache" / "provider"
@@ -24,10 +24,7 @@ SNAPSHOTS = Path(DEFAULT_SNAPSHOT_ROOT)  # providers/local/snapshots.py
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-snapshot-tests")
-    yield
-    ray.shutdown()
+    yield shared_ray()
 
 
 def make_pool(**config):
@@ -321,18 +318,18 @@ def test_pauses_with_an_ended_lease_s_token_during_its_reset_never_freeze_the_ne
 
 
 def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):
-    pool = make_pool(idle_timeout_s=10)
+    pool = make_pool(idle_timeout_s=5)
     try:
-        sb = sandman.acquire(sandman.SandboxSpec(ttl_s=15), pool=pool, timeout=120)
+        sb = sandman.acquire(sandman.SandboxSpec(ttl_s=10), pool=pool, timeout=120)
         sandman.pause(sb)
         actor = sandman.get_pool(pool)
         leased = lambda: [s for s in ray.get(actor.list_sandboxes.remote())  # noqa: E731
                           if s["state"] == "leased"]
-        # past the idle timeout (10 s; the watchdog sweeps every 0.2 s), the paused
+        # past the idle timeout (5 s; the watchdog sweeps every 0.2 s), the paused
         # lease is still held: the passing of time is what this checks
-        time.sleep(12)
+        time.sleep(6)
         assert len(leased()) == 1
-        # ... until its TTL (15 s) ends it; the sandbox is thawed and reset for the next
+        # ... until its TTL (10 s) ends it; the sandbox is thawed and reset for the next
         wait_until(lambda: not leased(), timeout=30, what="the TTL to end the paused lease")
         # the handle paused it, so it asks the pool first, which knows
         with pytest.raises(sandman.LeaseEnded):

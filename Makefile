@@ -53,10 +53,11 @@ test: system-packages $(TEST_STAMP) $(BUILTIN)
 
 # the inner loop, under 3 minutes here: the daemon, its codec and bundle, the pool's
 # decisions over data, the spec, the import graph, and the escape suite's attacks on
-# one sandbox at a time (no pool, no Ray cluster); make test before a commit
+# one sandbox at a time (no pool); make test before a commit
 TEST_FAST := $(wildcard tests/test_daemon_*.py) tests/test_codec.py tests/test_bundle.py \
 	tests/test_protocol_doc.py tests/test_op_table.py tests/test_imports.py tests/test_spec.py \
 	tests/test_errors.py tests/test_python_versions.py tests/test_reconciler.py \
+	tests/test_touches.py \
 	tests/test_security.py tests/test_syscall_policy.py tests/test_cluster_configs.py \
 	tests/test_dashboard.py tests/test_escape.py tests/test_escape_pools.py \
 	tests/test_escape_renew.py tests/test_escape_network_filter.py

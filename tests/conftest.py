@@ -236,15 +236,48 @@ def busybox_image(busybox_rootfs):
     return "dir:%s" % busybox_rootfs
 
 
-def local_ray(namespace: str):
-    """The body of a module's ``cluster`` fixture (``yield from local_ray(...)``): a
-    local Ray of 2 CPUs in ``namespace``; yields its GCS address."""
+# The test session's Ray: one local Ray of 2 CPUs that the modules share (each started
+# its own before: ray.init ~4 s and its shutdown ~1-2 s, per module). A module that
+# needs a Ray of another shape (a dashboard, several nodes) stops it with own_ray(), and
+# the next module that asks starts it again.
+RAY_NAMESPACE = "sandman-tests"
+_shared_ray = {"up": False}
+
+
+def shared_ray() -> str:
+    """The session's shared local Ray, started if it is not up; its GCS address."""
     import ray
+    if _shared_ray["up"] and ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
     require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE)
+    _shared_ray["up"] = True
+    return ray.get_runtime_context().gcs_address
+
+
+def own_ray(**init_kwargs) -> None:
+    """``ray.init(**init_kwargs)`` for a module whose Ray has a shape of its own: the
+    shared one is stopped first (and started again by the next module that asks)."""
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    _shared_ray["up"] = False
+    ray.init(**init_kwargs)
+
+
+def local_ray(namespace: str = RAY_NAMESPACE):
+    """The body of a module's ``cluster`` fixture (``yield from local_ray()``): the
+    session's shared Ray; yields its GCS address. (Its namespace is the session's.)"""
+    yield shared_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_ends_with_the_session():
+    yield
+    import ray
+    if ray.is_initialized():
         ray.shutdown()
 
 
@@ -262,17 +295,13 @@ def new_id():
 
 @pytest.fixture(scope="module")
 def local_provider():
-    """A LocalProvider on a local Ray started for the test module."""
-    import ray
+    """A LocalProvider of the test module's own, on the session's Ray."""
     from sandman_ray.providers.local import LocalProvider
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    shared_ray()
     p = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE).bind(
         "test-%s" % uuid.uuid4().hex[:6])
     yield p
     run(p.shutdown())
-    ray.shutdown()
 
 
 class Sandbox:

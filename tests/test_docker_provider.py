@@ -28,8 +28,8 @@ from sandman_ray.providers.docker.engine import (
 from sandman_ray.providers.docker.podman_service import PodmanError, PodmanService
 from sandman_ray.spec import SandboxSpec
 from conftest import (
-    ROOT, exercise_handle, free_port, holding_driver, restart_keeps_specs, unique_pool,
-    wait_until)
+    RAY_NAMESPACE, ROOT, exercise_handle, free_port, holding_driver, restart_keeps_specs,
+    shared_ray, unique_pool, wait_until)
 
 WORK = Path("/tmp/sandman-ray-test/docker")
 STATE = str(WORK / "state")
@@ -110,9 +110,7 @@ def engine(registry, busybox_rootfs):
 
 @pytest.fixture(scope="module")
 def cluster(engine):
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-docker-tests")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    yield shared_ray()
 
 
 def make_provider(engine, **kw):
@@ -359,7 +357,7 @@ def test_cold_image_burst_pulls_once_and_serves_every_acquire(cluster, engine, r
 def test_sigkilled_driver_leaves_no_container(cluster, engine):
     pool = make_pool(engine, reuse="delete")
     try:
-        proc = holding_driver(cluster, "sandman-docker-tests", pool, BUSYBOX, 5)
+        proc = holding_driver(cluster, RAY_NAMESPACE, pool, BUSYBOX, 5)
         assert len(containers(engine, pool)) == 5
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, freezer_state, leased, require_bwrap, unique_pool, wait_until
+from conftest import ROOT, freezer_state, leased, shared_ray, unique_pool, wait_until
 
 EXAMPLE = ROOT / "examples" / "rl_rollout"
 sys.path.insert(0, str(EXAMPLE))
@@ -24,11 +24,7 @@ CACHE = str(ROOT / ".cache" / "provider")
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-integration-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLE)}})
-    yield
-    ray.shutdown()
+    yield shared_ray()
 
 
 def new_pool(**config):
@@ -36,8 +32,10 @@ def new_pool(**config):
     return unique_pool(sandman.LocalProvider(state_root=STATE, cache_root=CACHE), "i", **config)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool(cluster):
+    """One pool for the module's tests (each gives back what it takes: the counts
+    checked after each would see a lease that leaked)."""
     name = new_pool()
     yield name
     sandman.shutdown_pool(name)
@@ -106,10 +104,10 @@ def test_code_repair_env_rewards_the_right_edit_only(pool):
 
 
 def test_env_of_a_killed_worker_leaves_no_lease(pool):
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLE)}})
     class Runner:
         def __init__(self, pool):
-            from env import CodeRepairEnv  # the example's directory is on the workers' path
+            from env import CodeRepairEnv  # the example's directory is on its path
             self.env = CodeRepairEnv({"pool": pool})
 
         def start(self):

@@ -19,7 +19,9 @@ from sandman_ray import DaemonClient, NotSupported, ProviderError
 from sandman_ray.providers.kubernetes.provider import (
     KubernetesProvider, label_value, merge, pod_name)
 from sandman_ray.spec import SandboxSpec
-from conftest import free_port, holding_driver, restart_keeps_specs, unique_pool, wait_until
+from conftest import (
+    RAY_NAMESPACE, free_port, holding_driver, restart_keeps_specs, shared_ray, unique_pool,
+    wait_until)
 from k8s_sim import SimConfig, start_process
 
 IMAGE = "docker.io/library/debian:12"
@@ -56,9 +58,7 @@ def sim():
 
 @pytest.fixture(scope="module")
 def cluster(sim):
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-k8s-tests")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    yield shared_ray()
 
 
 @pytest.fixture(autouse=True)
@@ -236,7 +236,7 @@ def test_stuck_policy_fail_fails_the_acquire_with_the_reason(cluster, sim):
 def test_sigkilled_client_leaves_no_pod(cluster, sim):
     pool = make_pool(sim)
     try:
-        proc = holding_driver(cluster, "sandman-k8s-tests", pool, IMAGE, 3)
+        proc = holding_driver(cluster, RAY_NAMESPACE, pool, IMAGE, 3)
         assert len(sim.pods(pool)) == 3
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -19,7 +19,7 @@ CACHE = str(ROOT / ".cache" / "provider")
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from local_ray("sandman-lookup-tests")
+    yield from local_ray()
 
 
 def make_pool():

@@ -12,10 +12,9 @@ import sys
 import uuid
 
 import pytest
-import ray
 
 import sandman_ray as sandman
-from conftest import leased, own_pool, require_bwrap, wait_until
+from conftest import leased, own_pool, shared_ray, wait_until
 from sandman_ray.spec import DEFAULT_IMAGE
 
 STATE = "/tmp/sandman-ray-test/minisweagent-state"
@@ -41,10 +40,7 @@ MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-minisweagent-tests")
-    yield
-    ray.shutdown()
+    yield shared_ray()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import ray
 
 import sandman_ray as sandman
 from conftest import (
-    ROOT, free_port, processes_matching, require_bwrap, unique_pool, wait_until)
+    ROOT, free_port, own_ray, processes_matching, require_bwrap, unique_pool, wait_until)
 
 STATE = "/tmp/sandman-ray-test/observability-state"
 CACHE = str(ROOT / ".cache" / "provider")
@@ -28,8 +28,9 @@ SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} ([0-9.e+-]+)$')
 def cluster():
     require_bwrap()
     ports = {"dashboard": free_port(), "metrics": free_port()}
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_port=ports["dashboard"],
-             _metrics_export_port=ports["metrics"], namespace="sandman-observability-tests")
+    # a Ray of its own: the dashboard and a metrics port (the session's has neither)
+    own_ray(num_cpus=2, include_dashboard=True, dashboard_port=ports["dashboard"],
+            _metrics_export_port=ports["metrics"], namespace="sandman-observability-tests")
     ports["gcs"] = ray.get_runtime_context().gcs_address
     yield ports
     ray.shutdown()

@@ -9,7 +9,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import sandman_ray as sandman
-from conftest import ROOT, require_bwrap
+from conftest import ROOT, own_ray, require_bwrap
 
 CACHE = str(ROOT / ".cache" / "provider")
 
@@ -20,7 +20,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
     c.wait_for_nodes()
-    ray.init(address=c.address, namespace="sandman-cluster-tests")
+    own_ray(address=c.address, namespace="sandman-cluster-tests")  # two nodes of its own
     yield c
     ray.shutdown()
     c.shutdown()

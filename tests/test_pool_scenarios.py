@@ -23,7 +23,7 @@ CACHE = str(ROOT / ".cache" / "provider")
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from local_ray("sandman-scenario-tests")
+    yield from local_ray()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """examples/rl_rollout: its tasks are honest (each bug fails its tests and only its
 family's edit fixes it), the training loop learns from sandbox rewards and leaves no
-sandbox, and RLlib's PPO trains on ``CodeRepairEnv`` through its EnvRunners. The two
-runs start their own Ray in a subprocess, as a user would."""
+sandbox, and RLlib's PPO trains on ``CodeRepairEnv`` through its EnvRunners. The runs
+are subprocesses, as a user starts them, joined to the session's Ray."""
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, require_bwrap
+from conftest import ROOT, require_bwrap, shared_ray
 
 EXAMPLE = ROOT / "examples" / "rl_rollout"
 sys.path.insert(0, str(EXAMPLE))
@@ -19,9 +20,11 @@ STATE = "/tmp/sandman-ray-test/rl-state"
 
 
 def run_example(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The example as a user runs it, on the session's Ray (``RAY_ADDRESS``: it starts
+    none of its own, ~5 s each)."""
     return subprocess.run([sys.executable, str(EXAMPLE / script), "--state-root", STATE]
                           + list(args), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=dict(os.environ, RAY_ADDRESS=shared_ray()))
 
 
 def test_each_task_fails_and_only_its_familys_edit_fixes_it():

@@ -4,10 +4,9 @@ installed skyrl_gym's ``make``, each episode in a leased ``builtin:debian`` sand
 import importlib.util
 
 import pytest
-import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, leased, own_pool, require_bwrap
+from conftest import ROOT, leased, own_pool, shared_ray
 from sandman_ray.spec import DEFAULT_IMAGE
 
 import skyrl_gym  # noqa: E402
@@ -29,14 +28,13 @@ TASK = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-skyrl-tests")
-    yield
-    ray.shutdown()
+    yield shared_ray()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool(cluster):
+    """One pool for the module's episodes (each gives its sandbox back: the counts
+    checked after each would see one that leaked)."""
     with own_pool(STATE, "skyrl", warm={DEFAULT_IMAGE: 2}) as name:
         yield name
 

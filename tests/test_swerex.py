@@ -9,9 +9,8 @@ import os
 import uuid
 
 import pytest
-import ray
 
-from conftest import leased, own_pool, require_bwrap
+from conftest import leased, own_pool, shared_ray
 from sandman_ray.spec import DEFAULT_IMAGE
 
 STATE = "/tmp/sandman-ray-test/swerex-state"
@@ -36,10 +35,7 @@ MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 @pytest.fixture(scope="module")
 def cluster():
-    require_bwrap()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-swerex-tests")
-    yield
-    ray.shutdown()
+    yield shared_ray()
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,14 @@ def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def init_ray(namespace: str) -> None:
-    """A local Ray on two CPUs whose workers import this directory's modules."""
+    """A local Ray on two CPUs, or the running cluster ``RAY_ADDRESS`` names, whose
+    workers (of this job) import this directory's modules."""
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    options = {"namespace": namespace, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **options)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, **options)
 
 
 def sandboxes_left(pool: str, state_root: str) -> int:

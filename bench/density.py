@@ -103,17 +103,29 @@ class _Bare:
         return os.getpid()
 
 
+class _BareLean(_Bare):
+    """A bare actor that skips Ray's serializers of other libraries' types, as a handle
+    host does (sandman_ray.host): the floor of a host's memory."""
+
+    def __init__(self):
+        from sandman_ray.host import _without_foreign_serializers
+        _without_foreign_serializers()
+
+
 def bare_actor() -> dict:
-    """The PSS, threads and fds of a bare actor and of a threaded one of the handle
-    host's shape (threads for calls and a control group), each idle."""
+    """The PSS, threads and fds of a bare actor, of one that skips other libraries'
+    serializers as a handle host does, and of a threaded one of the handle host's
+    earlier shape (threads for calls and a control group), each idle after 1,000
+    calls (an actor's memory grows with its first calls)."""
     out = {}
     for name, actor_class in (
             ("bare", ray.remote(num_cpus=0)(_Bare)),
+            ("bare, without other libraries' serializers", ray.remote(num_cpus=0)(_BareLean)),
             ("threaded, 192 + 64", ray.remote(num_cpus=0, max_concurrency=192,
                                               concurrency_groups={"control": 64})(_Bare))):
         actor = actor_class.remote()
-        pid = ray.get(actor.pid.remote())
-        time.sleep(1.0)  # its start settles before its memory is read
+        for _ in range(1000):
+            pid = ray.get(actor.pid.remote())
         out[name] = dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024)
         ray.kill(actor)
     return out
@@ -167,13 +179,21 @@ def measure(pool: str, held: list, samples: int, exec_samples: int, paused: int,
     awake = [sb for sb in held if sb.lease_id not in reclaimed]
     pick = lambda: rng.choice(awake)  # noqa: E731
     idle = busy_cores()  # N leased sandboxes idle, their shells and sleepers waiting
-    # direct: on the event loop whose connection each sandbox already has
-    direct = timed(lambda: loop.run_until_complete(pick().exec_async("true")), exec_samples)
-    # beside it, one sandbox again and again: what a random one adds (its daemon's
-    # memory and connection cold in the caches)
+    # direct: on the event loop whose connection each sandbox already has; beside it,
+    # one sandbox again and again (what a random one adds: its daemon's memory and
+    # connection cold in the caches), and .remote(); the three interleaved at random,
+    # so that a slow stretch of the machine falls on each alike
     one = awake[0]
-    same = timed(lambda: loop.run_until_complete(one.exec_async("true")), exec_samples // 4)
-    remote = timed(lambda: ray.get(pick().exec.remote("true")), exec_samples)
+    ways = {"direct": lambda: loop.run_until_complete(pick().exec_async("true")),
+            "same": lambda: loop.run_until_complete(one.exec_async("true")),
+            "remote": lambda: ray.get(pick().exec.remote("true"))}
+    order = [way for way in ways for _ in range(exec_samples if way != "same"
+                                                 else exec_samples // 4)]
+    rng.shuffle(order)
+    took: Dict[str, List[float]] = {way: [] for way in ways}
+    for way in order:
+        took[way] += timed(ways[way], 1)
+    direct, same, remote = took["direct"], took["same"], took["remote"]
     pauses, resumes = [], []
     for sb in rng.sample(awake, min(samples, len(awake))):
         pauses += timed(sb.pause, 1)
@@ -218,7 +238,7 @@ def parse_ns(text: str) -> List[int]:
     return ns
 
 
-def density(ns: List[int], samples: int = 100, exec_samples: int = 1000, paused: int = 20,
+def density(ns: List[int], samples: int = 100, exec_samples: int = 2000, paused: int = 20,
             swap_gb: int = 4) -> dict:
     """The steps, on this process's Ray: a pool of its own, shut down after; raises
     unless it left nothing."""
@@ -245,7 +265,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ns", default="100,250,500,1000")
     parser.add_argument("--samples", type=int, default=100, help="pauses and resumes per N")
-    parser.add_argument("--exec-samples", type=int, default=1000,
+    parser.add_argument("--exec-samples", type=int, default=2000,
                         help="execs per N, each way (a p99 of 100 is the second largest)")
     parser.add_argument("--paused", type=int, default=20)
     parser.add_argument("--swap-gb", type=int, default=4,

@@ -12,12 +12,16 @@ their md5 manifest. Then, in turns for ``--rounds`` rounds:
          every copy answers with them intact.
 
 Each round's copies are released before the next. Reported: the median round of each,
-their ratio, and the snapshot's size. The LocalProvider keeps snapshots on a tmpfs by
-default (providers/local/snapshots.py).
+their ratio, the snapshot's size, and the memory-backed disk each way uses while its
+copies are leased: for the forks, what the snapshot store's filesystem grew by
+(the snapshot, on a tmpfs by default: providers/local/snapshots.py) plus every copy's
+own writable layer (a tmpfs each, read from inside: ``stat -f /``); for the fresh
+copies, their layers.
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,6 +35,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sandman_ray as sandman  # noqa: E402
 from sandman_ray.providers.local import LocalProvider  # noqa: E402
+from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT  # noqa: E402
 
 import progress  # noqa: E402  (bench/progress.py)
 
@@ -41,6 +46,7 @@ MAKE_FILES = ("mkdir -p %s && cd %s && for i in $(seq 1 %d); do "
               "head -c %d /dev/urandom > f$i; done && md5sum f* > /work/manifest"
               % (WORK, WORK, FILES, FILE_BYTES))
 CHECK = "cd %s && md5sum -c --quiet /work/manifest" % WORK
+LAYER_USED = ["stat", "-f", "-c", "%S %b %f", "/"]  # block size, blocks, free: the layer's tmpfs
 
 
 def fork_vs_fresh(copies: int = 8, rounds: int = 3, state_root: str = "/tmp/sandman-ray/bench-fork",
@@ -51,6 +57,7 @@ def fork_vs_fresh(copies: int = 8, rounds: int = 3, state_root: str = "/tmp/sand
     times: Dict[str, List[float]] = {"fork": [], "fresh": [], "fork_leased": [],
                                      "fresh_leased": []}
     sizes: List[int] = []
+    disk: Dict[str, List[int]] = {"fork": [], "fresh": []}  # bytes, per round
     try:
         with sandman.sandbox(pool=pool, timeout=120) as parent:
             made = parent.exec(["sh", "-c", MAKE_FILES], timeout=120)
@@ -61,17 +68,46 @@ def fork_vs_fresh(copies: int = 8, rounds: int = 3, state_root: str = "/tmp/sand
             fresh_spec = sandman.SandboxSpec(labels={"bench": "fresh"})
             with ThreadPoolExecutor(copies) as threads:
                 for _ in progress.steps(range(rounds), "fork rounds"):
+                    store = _store_used()
                     _timed(threads, lambda: sandman.fork(parent, copies), times, "fork",
-                           lambda: sizes.extend(s["size_bytes"] for s in sandman.snapshots(pool)))
+                           lambda handles: _looked_at_forks(pool, handles, store, sizes, disk))
                     _timed(threads, lambda: _fresh(threads, fresh_spec, pool, copies, tar,
-                                                   manifest), times, "fresh")
+                                                   manifest), times, "fresh",
+                           lambda handles: disk["fresh"].append(_layers_used(handles)))
     finally:
         sandman.shutdown_pool(pool)
     median = {name: statistics.median(values) for name, values in times.items()}
     return {"copies": copies, "files_mb": FILES * FILE_BYTES / 1e6, "fork_s": median["fork"],
             "fresh_s": median["fresh"], "fresh_over_fork": median["fresh"] / median["fork"],
             "fork_leased_s": median["fork_leased"], "fresh_leased_s": median["fresh_leased"],
-            "rounds_s": times, "snapshot_bytes": max(sizes, default=0)}
+            "rounds_s": times, "snapshot_bytes": max(sizes, default=0),
+            "fork_disk_bytes": statistics.median(disk["fork"]),
+            "fresh_disk_bytes": statistics.median(disk["fresh"]),
+            "fork_disk_over_snapshot": statistics.median(disk["fork"]) / max(max(sizes), 1)}
+
+
+def _store_used() -> int:
+    """Bytes in use on the filesystem of the snapshot store (a tmpfs by default)."""
+    st = os.statvfs(DEFAULT_SNAPSHOT_ROOT if os.path.exists(DEFAULT_SNAPSHOT_ROOT)
+                    else os.path.dirname(DEFAULT_SNAPSHOT_ROOT))
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _layers_used(handles) -> int:
+    """Bytes in use in the copies' own writable layers, each read from inside."""
+    total = 0
+    for sb in handles:
+        size, blocks, free = (int(v) for v in sb.exec(LAYER_USED).stdout.split())
+        total += (blocks - free) * size
+    return total
+
+
+def _looked_at_forks(pool: str, handles, store_before: int, sizes: List[int],
+                     disk: Dict[str, List[int]]) -> None:
+    """The snapshot's size, and the disk the forks use: what the store grew by since
+    before the fork, and their layers."""
+    sizes.extend(s["size_bytes"] for s in sandman.snapshots(pool))
+    disk["fork"].append(max(_store_used() - store_before, 0) + _layers_used(handles))
 
 
 def _fresh(threads, spec, pool: str, copies: int, tar: bytes, manifest: bytes) -> list:
@@ -86,8 +122,8 @@ def _fresh(threads, spec, pool: str, copies: int, tar: bytes, manifest: bytes) -
 def _timed(threads, start, times: Dict[str, List[float]], name: str, look=None) -> None:
     """Seconds until ``start()``'s sandboxes are all leased (``<name>_leased``), and
     until they all answer with the files intact (``name``: ``md5sum -c`` of 50 MB in
-    each, side by side, ~0.4 s of it on 2 cores); ``look()`` runs before they are
-    released."""
+    each, side by side, ~0.4 s of it on 2 cores); ``look(handles)`` runs before they
+    are released."""
     began = time.perf_counter()
     handles = start()
     leased = time.perf_counter() - began
@@ -98,7 +134,7 @@ def _timed(threads, start, times: Dict[str, List[float]], name: str, look=None) 
     times[name].append(took)
     times[name + "_leased"].append(leased)
     if look is not None:
-        look()
+        look(handles)
     for sb in handles:
         sandman.release(sb)
 
@@ -118,6 +154,10 @@ def rows(result: dict) -> List[tuple]:
         ("fork", "of those, until all %d are leased: fork / fresh" % n,
          "%.3f / %.3f s" % (result["fork_leased_s"], result["fresh_leased_s"]),
          "the rest: md5sum -c of %.0f MB in each" % mb),
+        ("fork", "disk used while the %d are leased: forks / snapshot" % n,
+         "%.2fx" % result["fork_disk_over_snapshot"],
+         "target < 2x; forks %.1f MB (store + layers), fresh copies %.1f MB"
+         % (result["fork_disk_bytes"] / 1e6, result["fresh_disk_bytes"] / 1e6)),
     ]
 
 

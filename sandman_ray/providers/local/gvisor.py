@@ -161,7 +161,14 @@ class GvisorProcess(SandboxProcess):
         self.started_at = time.time()
 
     def _runsc(self, *args: str) -> None:
-        subprocess.run(["runsc", "--root", str(self.state_dir / "runsc")] + list(args),
+        """``runsc ARGS`` on this sandbox's state. With a network, runsc's control server
+        listens on an abstract socket of the chain's network namespace, so the command
+        joins it (from the host's, runsc kill was refused and a delete waited
+        KILL_WAIT_S)."""
+        join = (["nsenter", "--target", str(self.proc.pid), "--net"]
+                if self.spec.network and self.proc is not None and self.proc.poll() is None
+                else [])
+        subprocess.run(join + ["runsc", "--root", str(self.state_dir / "runsc")] + list(args),
                        capture_output=True, stdin=subprocess.DEVNULL)
 
     def _prepare_run_dir(self) -> None:

@@ -20,20 +20,26 @@ from escape_kit import (  # noqa: F401 - fixtures: pytest finds them by name
 
 # ---------------------------------------------------------------- the network
 # "open" once a TCP connection was made: busybox's nc in the busybox image, python3 in
-# the others (the Debian image has no nc)
-CONNECT = ("busybox --list | grep -qx nc || echo no-nc; "
-           "for h in %s; do if echo | busybox nc -w 2 $h %d >/dev/null 2>&1; then "
-           "echo open $h; else echo closed $h; fi; done")
-CONNECT_PY = ("python3 -c 'import socket, sys\n"
-              "for h in sys.argv[2:]:\n"
+# the others (the Debian image has no nc); the addresses are tried at once (a dropped
+# connection waits its 2 s) and told in the order given
+CONNECT = ("busybox --list | grep -qx nc || echo no-nc; d=$(mktemp -d); "
+           "for h in %s; do (if echo | busybox nc -w 2 $h %d >/dev/null 2>&1; then "
+           "echo open > $d/$h; else echo closed > $d/$h; fi) & done; wait; "
+           "for h in %s; do echo $(cat $d/$h) $h; done")
+CONNECT_PY = ("python3 -c 'import socket, sys, threading\n"
+              "seen = {}\n"
+              "def probe(h):\n"
               "    s = socket.socket(); s.settimeout(2)\n"
-              "    try: s.connect((h, int(sys.argv[1]))); print(\"open\", h)\n"
-              "    except OSError: print(\"closed\", h)' %d %s")
+              "    try: s.connect((h, int(sys.argv[1]))); seen[h] = \"open\"\n"
+              "    except OSError: seen[h] = \"closed\"\n"
+              "probes = [threading.Thread(target=probe, args=(h,)) for h in sys.argv[2:]]\n"
+              "[t.start() for t in probes]; [t.join() for t in probes]\n"
+              "for h in sys.argv[2:]: print(seen[h], h)' %d %s")
 
 
 def connect(image: str, hosts, port: int) -> str:
     hosts = " ".join(hosts) if not isinstance(hosts, str) else hosts
-    return CONNECT % (hosts, port) if image == "busybox" else CONNECT_PY % (port, hosts)
+    return CONNECT % (hosts, port, hosts) if image == "busybox" else CONNECT_PY % (port, hosts)
 
 
 def node_addresses():

@@ -11,13 +11,13 @@ import re
 import shutil
 import subprocess
 import sys
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 from fetch import fetch  # noqa: E402  (tests/peer/fetch.py)
+from outcomes import outcomes as read_outcomes  # noqa: E402
 
 from conftest import LOCAL_CACHE, require_bwrap  # noqa: E402
 
@@ -37,22 +37,6 @@ timeout = 120
 """
 
 
-def _outcomes(junit: Path) -> dict:
-    """test name -> passed, failed, skipped or xfailed, from a junit XML report."""
-    found = {}
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        name = "%s::%s" % (case.get("classname").rsplit(".", 1)[-1], case.get("name"))
-        kinds = {child.tag for child in case}
-        skipped = case.find("skipped")
-        if "failure" in kinds or "error" in kinds:
-            found[name] = "failed"
-        elif skipped is not None:
-            found[name] = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
-        else:
-            found[name] = "passed"
-    return found
-
-
 def test_swerex_runtime_suite_passes_against_sandman(tmp_path):
     require_bwrap()
     run = fetch("swe-rex") / "run"
@@ -69,9 +53,11 @@ def test_swerex_runtime_suite_passes_against_sandman(tmp_path):
     for name in REPLACED:
         command += ["--deselect", "%s::%s" % (SUITE, name)]
     proc = subprocess.run(command, cwd=str(run), capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, SANDMAN_PEER_CACHE=LOCAL_CACHE),
+                          env=dict(os.environ, SANDMAN_PEER_CACHE=LOCAL_CACHE,
+                                   PYTHONPATH=os.pathsep.join(
+                                       [str(PEER), os.environ.get("PYTHONPATH", "")])),
                           stdin=subprocess.DEVNULL)
-    outcomes = _outcomes(junit)
+    outcomes = read_outcomes(junit)
     report = proc.stdout[-4000:] + proc.stderr[-2000:]
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
     assert not failed and proc.returncode == 0, "failed: %s\n%s" % (failed, report)

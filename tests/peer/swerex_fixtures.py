@@ -9,20 +9,17 @@ tests/test_peer_swerex.py copies this file in as the suite's ``conftest.py`` and
 the suite in a process of its own.
 """
 
-import os
 import uuid
 from typing import Optional
 
 import pytest
-import ray
 
 import sandman_ray as sandman
 from sandman_ray.integrations.swerex import SandmanRuntime
-from sandman_ray.providers.local import LocalProvider
 from swerex.runtime.abstract import BashAction, CloseBashSessionRequest, Command
 from swerex.runtime.abstract import CreateBashSessionRequest
 
-IMAGE = "builtin:debian"
+from peer_pool import IMAGE, peer_pool  # tests/peer/, on the suite's PYTHONPATH
 
 
 class _Action(BashAction):
@@ -35,17 +32,8 @@ class _Command(Command):
 
 @pytest.fixture(scope="session")
 def sandman_pool():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-peer-swerex",
-             log_to_driver=False)
-    name = "peer-swerex-" + uuid.uuid4().hex[:6]
-    sandman.create_pool(name, provider=LocalProvider(
-        state_root="/tmp/sandman-ray-test/peer-swerex",
-        cache_root=os.environ["SANDMAN_PEER_CACHE"]), warm={IMAGE: 2})
-    try:
+    with peer_pool("swerex", "peer-swerex-" + uuid.uuid4().hex[:6]) as name:
         yield name
-    finally:
-        sandman.shutdown_pool(name)
-        ray.shutdown()
 
 
 @pytest.fixture

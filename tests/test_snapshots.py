@@ -34,6 +34,16 @@ def make_pool(**config):
 
 @pytest.fixture
 def pool(cluster):
+    """A pool of the test's own, for tests that count its sandboxes, snapshots or CPU."""
+    name = make_pool()
+    yield name
+    sandman.shutdown_pool(name)
+
+
+@pytest.fixture(scope="module")
+def shared_pool(cluster):
+    """A pool the module's tests that count nothing of it share (each gives back what
+    it takes)."""
     name = make_pool()
     yield name
     sandman.shutdown_pool(name)
@@ -138,7 +148,8 @@ def test_snapshots_are_deleted_with_their_pool(cluster):
     assert leftovers(pool, STATE) == {"processes": [], "directories": [], "cgroups": []}
 
 
-def test_the_host_image_cannot_be_snapshotted(pool):
+def test_the_host_image_cannot_be_snapshotted(shared_pool):
+    pool = shared_pool
     with sandman.sandbox("host", pool=pool, timeout=120) as sb:
         with pytest.raises(sandman.NotSupported, match="host image"):
             sandman.snapshot(sb)
@@ -178,7 +189,8 @@ def test_a_paused_sandbox_uses_no_cpu_and_resumes_with_its_processes(pool):
         assert sb.read_file("/root/kept") == b"memory and files stay"
 
 
-def test_a_handle_pauses_and_resumes_its_sandbox_and_may_resume_on_a_call(pool):
+def test_a_handle_pauses_and_resumes_its_sandbox_and_may_resume_on_a_call(shared_pool):
+    pool = shared_pool
     """``sb.pause()``: a call meanwhile is refused with SandboxPaused (it would wait on a
     frozen daemon), unless the lease resumes on a call (``auto_resume``); a pause with
     ``reclaim`` keeps the sandbox whole. The async forms do the same."""
@@ -238,7 +250,8 @@ def test_a_holder_pauses_through_its_node_s_agent_which_takes_the_lease_s_token_
         assert again.exec("echo mine").stdout == b"mine\n"
 
 
-def test_the_agent_s_control_socket_pauses_for_the_token_alone_and_refuses_garbage(pool):
+def test_the_agent_s_control_socket_pauses_for_the_token_alone_and_refuses_garbage(shared_pool):
+    pool = shared_pool
     """The holder's pause goes to its node agent's control socket (sandman_ray.control),
     no Ray call; the socket is root's alone, unseen inside the sandbox, takes the
     lease's token only, and answers garbage (bad JSON, wrong types, a line past its
@@ -344,7 +357,8 @@ def test_a_paused_lease_is_not_reclaimed_for_idleness_but_its_ttl_runs(cluster):
         sandman.shutdown_pool(pool)
 
 
-def test_only_the_holder_snapshots_or_pauses_a_lease(pool):
+def test_only_the_holder_snapshots_or_pauses_a_lease(shared_pool):
+    pool = shared_pool
     with sandman.sandbox(pool=pool, timeout=120) as sb:
         actor = sandman.get_pool(pool)
         with pytest.raises(sandman.LeaseNotHeld):

@@ -17,12 +17,11 @@ import ray
 import sandman_ray as sandman
 from sandman_ray.providers.base import POOL_LABEL
 from conftest import (
-    RAY_NAMESPACE, ROOT, holding_driver, local_ray, restart_keeps_specs,
-    unique_pool,
-    wait_until)
+    LOCAL_CACHE, RAY_NAMESPACE, ROOT, holding_driver, local_ray, restart_keeps_specs,
+    unique_pool, wait_until)
 
 STATE = "/tmp/sandman-ray-test/pool-state"
-CACHE = str(ROOT / ".cache" / "provider")
+CACHE = LOCAL_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def image(busybox_rootfs):
-    return "dir:%s" % busybox_rootfs
+def image(busybox_image):
+    return busybox_image
 
 
 def make_pool(provider=None, **config):

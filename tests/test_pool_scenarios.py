@@ -12,13 +12,13 @@ import pytest
 import ray
 
 import sandman_ray as sandman
-from conftest import ROOT, local_ray, processes_matching, unique_pool, wait_until
+from conftest import LOCAL_CACHE, local_ray, processes_matching, unique_pool, wait_until
 from sandbox_pids import daemon_under
 from sandman_ray.providers.faults import FaultyProvider
 from sandman_ray.providers.local import LocalProvider, leftovers
 
 STATE = "/tmp/sandman-ray-test/scenario-state"
-CACHE = str(ROOT / ".cache" / "provider")
+CACHE = LOCAL_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def image(busybox_rootfs):
-    return "dir:%s" % busybox_rootfs
+def image(busybox_image):
+    return busybox_image
 
 
 def local() -> LocalProvider:

@@ -123,13 +123,15 @@ def _git_file(peer: GitPeer, path: str) -> bytes:
 def _fetch_git(peer: GitPeer) -> Path:
     for path, pinned in peer.files.items():
         target = peer.where / path
-        data = target.read_bytes() if target.is_file() else _git_file(peer, path)
+        cached = target.is_file()
+        data = target.read_bytes() if cached else _git_file(peer, path)
         digest = hashlib.sha256(data).hexdigest()
         if digest != pinned:
             raise RuntimeError("%s %s's %s: sha256 %s, pinned %s: not the file the suite was "
                                "pinned to" % (peer.package, peer.version, path, digest, pinned))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        if not cached:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
     return peer.where
 
 

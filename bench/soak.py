@@ -49,7 +49,7 @@ FAULTS = ("daemon_killed", "client_killed", "agent_stalled")
 STALL_S = 2.0
 # What counts as drift, per 10,000 cycles after the warm-up: each process's RSS and
 # the host's counts. (A series of counts that should not move at all gets 0.5: a
-# least-squares line over samples taken while a batch's few leases come and go.)
+# slope through samples taken while a batch's few leases come and go.)
 BOUNDS = {"rss_mb": 1.0, "threads": 0.5, "fds": 0.5, "records": 0.5, "mounts": 0.5,
           "cgroups": 0.5, "uid_locks": 0.5, "sandbox_processes": 0.5}
 # process titles of the roles (an agent's is that of the task it runs: asked by pid)
@@ -150,14 +150,17 @@ def sample(pool: str, cycles: int) -> dict:
 
 
 def slope(points: List[tuple]) -> float:
-    """Least-squares slope of (cycles, value) per 10,000 cycles."""
-    if len(points) < 2:
+    """The Theil-Sen slope of (cycles, value) per 10,000 cycles: the median of the
+    slopes between every two samples. A series that climbs keeps its climb; one sample
+    taken while a fault's process was still closing (an agent with a dozen fds more,
+    once) moves it no more than any other sample, where a least-squares line would
+    follow it."""
+    pairs = sorted((yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(points)
+                   for xj, yj in points[i + 1:] if xj != xi)
+    if not pairs:
         return 0.0
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in points) / sxx * 1e4
+    mid = len(pairs) // 2
+    return (pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2) * 1e4
 
 
 def drift(samples: List[dict]) -> Dict[str, float]:

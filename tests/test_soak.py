@@ -46,3 +46,17 @@ def test_five_thousand_cycles_with_faults_recover_and_leave_nothing(tmp_path):
         series = [s[key] for s in samples]
         assert series[-1] <= 1.5 * max(series[1:-1]), (key, series)
     assert result["left_after_shutdown"] == {"processes": 0, "directories": 0, "cgroups": 0}
+
+
+def test_drift_follows_a_climb_and_not_one_sample_taken_during_a_fault():
+    """The soak's slope (Theil-Sen, per 10,000 cycles): a steady climb of 1 per 5,000
+    cycles reads 2.0 whatever one odd sample says; a flat series with one sample 12
+    higher reads 0, where a least-squares line would read it as drift."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from soak import slope
+    xs = range(0, 100001, 5000)
+    assert slope([(x, 93) for x in xs]) == 0.0
+    assert slope([(x, 93 + (12 if x == 65000 else 0)) for x in xs]) == 0.0
+    climb = [(x, x / 5000 + (30 if x == 20000 else 0)) for x in xs]
+    assert abs(slope(climb) - 2.0) < 1e-9
+    assert slope([(5000, 1.0)]) == 0.0

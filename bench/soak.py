@@ -26,6 +26,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -155,12 +156,9 @@ def slope(points: List[tuple]) -> float:
     taken while a fault's process was still closing (an agent with a dozen fds more,
     once) moves it no more than any other sample, where a least-squares line would
     follow it."""
-    pairs = sorted((yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(points)
-                   for xj, yj in points[i + 1:] if xj != xi)
-    if not pairs:
-        return 0.0
-    mid = len(pairs) // 2
-    return (pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2) * 1e4
+    pairs = [(yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(points)
+             for xj, yj in points[i + 1:] if xj != xi]
+    return statistics.median(pairs) * 1e4 if pairs else 0.0
 
 
 def drift(samples: List[dict]) -> Dict[str, float]:

@@ -48,6 +48,7 @@ STATE = "/tmp/sandman-ray/bench-soak"
 IMAGE = "host"
 FAULTS = ("daemon_killed", "client_killed", "agent_stalled")
 STALL_S = 2.0
+SETTLE_S = 30.0  # at most, for the pool to be back to its warm sandboxes before a sample
 # What counts as drift, per 10,000 cycles after the warm-up: each process's RSS and
 # the host's counts. (A series of counts that should not move at all gets 0.5: a
 # slope through samples taken while a batch's few leases come and go.)
@@ -145,9 +146,24 @@ def host_facts(pool: str) -> Dict[str, int]:
             "records": sum(status["states"].values())}
 
 
-def sample(pool: str, cycles: int) -> dict:
-    return {"cycles": cycles, "time": time.time(), "processes": process_facts(pool),
-            **host_facts(pool)}
+def settle(pool: str, warm: int, timeout: float = SETTLE_S) -> bool:
+    """Wait until the pool holds just its ``warm`` ready sandboxes (the last batch's
+    releases reset, a fault's replacement made), so that a sample reads the level of
+    each series and not a fault's sandboxes still closing; False if it does not."""
+    actor, deadline = sandman.get_pool(pool), time.monotonic() + timeout
+    while True:
+        states = ray.get(actor.status.remote())["states"]
+        if states.get("ready") == warm and sum(states.values()) == warm:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)  # polling the pool's own count; no event tells a bench script
+
+
+def sample(pool: str, cycles: int, warm: int) -> dict:
+    settled = settle(pool, warm)
+    return {"cycles": cycles, "time": time.time(), "settled": settled,
+            "processes": process_facts(pool), **host_facts(pool)}
 
 
 def slope(points: List[tuple]) -> float:
@@ -188,9 +204,10 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.pool = "bench-soak-" + uuid.uuid4().hex[:6]
+        self.warm = args.clients + 1
         sandman.create_pool(self.pool, provider=LocalProvider(state_root=STATE,
                                                               cache_root=CACHE),
-                            warm={IMAGE: args.clients + 1})
+                            warm={IMAGE: self.warm})
         self.clients = [SoakClient.remote(self.pool) for _ in range(args.clients)]
         self.cycles, self.errors, self.faults = 0, {}, []
 
@@ -244,7 +261,7 @@ class Soak:
                 "agents": len(agents)}
 
     def run(self) -> List[dict]:
-        args, samples = self.args, [sample(self.pool, 0)]
+        args, samples = self.args, [sample(self.pool, 0, self.warm)]
         order = list(FAULTS)
         self.rng.shuffle(order)
         next_sample = args.sample_every
@@ -258,7 +275,7 @@ class Soak:
             if fault is not None:  # the cycles after a fault work: the next batch says
                 self.faults[-1]["cycles_in_batch"] = self.cycles - before
             if self.cycles >= next_sample or self.cycles >= args.cycles:
-                samples.append(sample(self.pool, self.cycles))
+                samples.append(sample(self.pool, self.cycles, self.warm))
                 next_sample += args.sample_every
                 print_sample(samples[-1], self.errors, len(self.faults))
             if self.cycles == before:
@@ -271,9 +288,11 @@ def print_sample(s: dict, errors: dict, faults: int) -> None:
         role, "/".join("%.0f" % p["rss_mb"] for p in ps), "/".join(str(p["threads"]) for p in ps),
         "/".join(str(p["fds"]) for p in ps)) for role, ps in sorted(s["processes"].items()))
     print("%7d cycles: records %d, mounts %d, cgroups %d, uid locks %d, sandbox processes %d;"
-          " %s; %d faults, errors %s" % (s["cycles"], s["records"], s["mounts"], s["cgroups"],
-                                          s["uid_locks"], s["sandbox_processes"], procs, faults,
-                                          errors or "none"), flush=True)
+          " %s; %d faults, errors %s%s" % (s["cycles"], s["records"], s["mounts"], s["cgroups"],
+                                            s["uid_locks"], s["sandbox_processes"], procs, faults,
+                                            errors or "none",
+                                            "" if s["settled"] else " (pool not settled)"),
+          flush=True)
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,7 @@ def test_five_thousand_cycles_with_faults_recover_and_leave_nothing(tmp_path):
     assert all(f["ok"] and f["cycles_in_batch"] > 0 for f in faults), faults
     assert sum(result["errors"].values()) <= ERRORS_PER_FAULT * len(faults), result["errors"]
     samples = result["all_samples"]
+    assert all(s["settled"] for s in samples), [s["cycles"] for s in samples if not s["settled"]]
     assert len({s["mounts"] for s in samples}) == 1, [s["mounts"] for s in samples]
     for key in ("records", "cgroups", "uid_locks", "sandbox_processes"):
         series = [s[key] for s in samples]

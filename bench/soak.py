@@ -37,7 +37,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import _cmdline, _pids, sandbox_pids  # noqa: E402  (bench/chaos.py)
-from common import CACHE, ROOT  # noqa: E402  (bench/common.py)
+from common import CACHE, ROOT, states  # noqa: E402  (bench/common.py)
 
 import sandman_ray as sandman  # noqa: E402
 from sandman_ray.errors import SandboxLost  # noqa: E402
@@ -150,10 +150,10 @@ def settle(pool: str, warm: int, timeout: float = SETTLE_S) -> bool:
     """Wait until the pool holds just its ``warm`` ready sandboxes (the last batch's
     releases reset, a fault's replacement made), so that a sample reads the level of
     each series and not a fault's sandboxes still closing; False if it does not."""
-    actor, deadline = sandman.get_pool(pool), time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while True:
-        states = ray.get(actor.status.remote())["states"]
-        if states.get("ready") == warm and sum(states.values()) == warm:
+        now = states(pool)
+        if now.get("ready") == warm and sum(now.values()) == warm:
             return True
         if time.monotonic() > deadline:
             return False

@@ -29,11 +29,13 @@ end the old incarnation's leases.
 """
 
 import asyncio
+import hashlib
 import time
 import warnings
 from typing import Dict, Optional, Set
 
 import ray
+from ray._raylet import PythonFunctionDescriptor
 
 from sandman_ray import touches
 from sandman_ray.client import AsyncDaemonClient
@@ -489,3 +491,24 @@ for _op in FORWARDED:
 # host ~10 MB (a bare actor with and without, measured here).
 HandleHost = ray.remote(num_cpus=0, max_restarts=HOST_RESTARTS, max_task_retries=-1,
                         max_concurrency=HOST_CALLS, enable_task_events=False)(_HandleHost)
+
+
+def _same_class_everywhere(actor_class, code: bytes) -> None:
+    """Give ``actor_class`` one Ray class id in every process whose ``code`` is the same.
+
+    Ray names a class it makes an actor of by a random id per process that defines it,
+    and a process keeps, for good, every class it has loaded to hold a handle to one
+    of its actors (~180 kB each, with its methods' signatures). Every client process
+    defines its own host, so a pool that serves short-lived clients loaded one more
+    class per client it ever served: its memory grew with every client that came and
+    went (bench/soak.py's killed clients). With the id derived from the code, the pool
+    loads the host's class once, and Ray's function table holds one copy of it."""
+    meta = actor_class.__ray_metadata__
+    made = meta.actor_creation_function_descriptor
+    meta.actor_creation_function_descriptor = PythonFunctionDescriptor(
+        made.module_name, made.function_name, made.class_name,
+        hashlib.sha256(code).hexdigest())
+
+
+with open(__file__, "rb") as _source:
+    _same_class_everywhere(HandleHost, _source.read() + repr(FORWARDED).encode())

@@ -3,6 +3,7 @@ direct and through its host, streams, command ids, terminals, handles passed to 
 processes, daemons the caller cannot reach, and leases kept in use by direct calls."""
 
 import asyncio
+import os
 import pickle
 import time
 
@@ -228,6 +229,22 @@ def test_a_passed_handle_calls_through_its_host(pool, image):
         def elsewhere(handle):
             return handle.exec("echo from a task").stdout, handle._direct is None
         assert ray.get(elsewhere.remote(sb)) == (b"from a task\n", True)
+
+
+def test_hosts_made_by_different_processes_are_one_class_to_ray(cluster):
+    """Every client process makes its own host, and a process that holds handles to
+    actors loads their class once per class id, for good: a pool serving clients that
+    come and go grew by a class per client while the id was Ray's random one."""
+    def host_class_id():
+        from sandman_ray.host import HandleHost
+        meta = HandleHost.__ray_metadata__
+        return os.getpid(), meta.actor_creation_function_descriptor.function_id.hex()
+
+    in_a_worker = ray.remote(num_cpus=0, max_calls=1)(host_class_id)  # a new one each call
+    first, second = ray.get(in_a_worker.remote()), ray.get(in_a_worker.remote())
+    here = host_class_id()
+    assert len({first[0], second[0], here[0]}) == 3
+    assert first[1] == second[1] == here[1]
 
 
 def test_direct_calls_from_loops_that_end_keep_one_connection(pool, image):

@@ -53,19 +53,23 @@ def test_socket_buffers_are_held_to_the_memory_limit(provider):
     """A sandbox of memory=250Mi and no network queues loopback TCP buffers without end
     (they are not in memory.usage under cgroup v1): its hog is killed once they pass
     its limit, they are freed, and its daemon and a neighbour answer. (Before, it held
-    651 MiB and more of the host's TCP pool.)"""
-    from sandman_ray.spec import SandboxSpec
+    651 MiB and more of the host's TCP pool.) The overshoot allowed is what the hog
+    queues in two of the agent's rounds at the pace measured next door in the same run
+    (0.3-1 GB/s here, as the VM's hour goes), not a fixed size."""
+    from sandman_ray.providers.local.budgets import INTERVAL_S
     limit = 250 * 2 ** 20
     with Sandbox(provider, SandboxSpec(memory="250Mi")) as hog, \
             Sandbox(provider, SandboxSpec()) as neighbour:
+        neighbour.client.write_file("/tmp/hog.py", TCP_HOG)
+        quick = neighbour.client.exec(["python3", "/tmp/hog.py", "0.5"], timeout=60)
+        pace = int(quick.stdout.split()[-1]) * 2 ** 20 / 0.5  # bytes per second, unheld
         hog.client.write_file("/tmp/hog.py", TCP_HOG)
         r = hog.client.exec(["python3", "/tmp/hog.py", "30"], timeout=120)
         assert r.signal == 9 and b"held_mib" not in r.stdout, r  # killed, not finished
-        assert limit < tcp_peak(hog) < limit + 160 * 2 ** 20  # caught within a round
+        assert limit < tcp_peak(hog) < limit + pace * 2 * INTERVAL_S + 64 * 2 ** 20
         assert hog.client.exec("echo alive").stdout == b"alive\n"
-        neighbour.client.write_file("/tmp/hog.py", TCP_HOG)
-        quick = neighbour.client.exec(["python3", "/tmp/hog.py", "0.5"], timeout=60)
-        assert b"held_mib" in quick.stdout  # sockets still work next door
+        again = neighbour.client.exec(["python3", "/tmp/hog.py", "0.5"], timeout=60)
+        assert b"held_mib" in again.stdout  # sockets still work next door
 
 
 def test_a_sandbox_holds_at_most_its_own_terminals(provider):

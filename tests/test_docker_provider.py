@@ -461,9 +461,17 @@ def test_a_snapshot_carries_the_sandbox_s_files_to_new_sandboxes_then_is_deleted
             client.close()
 
         # nothing of the daemon's bind mounts is in the image, and it starts as its base
-        bare = api.containers.run(snap.image, entrypoint=["/bin/ls", "-A", "/.sandman",
-                                                          "/run/sandman"],
-                                  network_mode="none", remove=True)
+        # created, waited for, then read: a followed log stream of a container that exits at
+        # once can stay open forever on the engine's compatible API
+        lister = api.containers.create(snap.image, entrypoint=["/bin/ls", "-A", "/.sandman",
+                                                                "/run/sandman"],
+                                       network_mode="none")
+        try:
+            lister.start()
+            assert lister.wait(timeout=60)["StatusCode"] == 0
+            bare = lister.logs(stdout=True, stderr=True)
+        finally:
+            lister.remove(force=True)
         assert bare.split() == [b"/.sandman:", b"/run/sandman:"], bare
         config, base = (api.api.inspect_image(i)["Config"] for i in (snap.image, BUSYBOX))
         assert [config.get(k) or None for k in ("Entrypoint", "Cmd", "User")] == \

@@ -96,6 +96,15 @@ def test_metrics_endpoint_shows_the_pool_during_a_burst(cluster):
         always = {m for m in asked if not re.search(r"failures|throttle|deletes|resets", m)}
         assert always <= set(mine), always - set(mine)  # the rest need a failure or reset
         assert all(labels.get("SessionName") for labels in mine.values())
+        # the pool's calls to its agent are Ray tasks counted by name (ray_tasks): named
+        # per pool, never per sandbox, or each sandbox made would add series for good
+        wait_until(lambda: any(n == "ray_tasks" and dict(l).get("Name", "").startswith(
+            "sandman:create:") for n, l in scrape(cluster["metrics"])),
+            timeout=60, what="the pool's create tasks counted")
+        ids = {h.sandbox for h in handles}
+        labelled = [(n, dict(l)) for n, l in scrape(cluster["metrics"])
+                    if any(i in value for _, value in l for i in ids)]
+        assert not labelled, labelled[:3]
     finally:
         for h in handles:
             sandman.release(h)

@@ -94,6 +94,13 @@ class NodeAgentProvider(Provider):
         state["_creating"], state["_snapshot_nodes"] = {}, {}
         return state
 
+    def _task(self, op: str) -> str:
+        """The name of an ``op`` call on the Ray dashboard: ``sandman:<op>:<pool>``. Never
+        a sandbox id: Ray counts the tasks a process submits by name (its ``ray_tasks``
+        metric) and keeps every name's series for the life of the process, so a name per
+        sandbox grows the pool's memory with every sandbox it ever made."""
+        return "sandman:%s:%s" % (op, self.pool)
+
     # ---- agents
     def _alive_nodes(self) -> List[str]:
         """Alive Ray nodes, asked of the GCS at most every NODES_TTL_S (a burst of
@@ -182,7 +189,7 @@ class NodeAgentProvider(Provider):
         self._creating[sandbox_id] = False
         try:
             info = await self.agent(node).create.options(
-                name="sandman:create:%s" % sandbox_id).remote(sandbox_id, spec, labels)
+                name=self._task("create")).remote(sandbox_id, spec, labels)
         except ray.exceptions.RayActorError as exc:
             self._where.pop(sandbox_id, None)
             raise self._agent_gone(node, exc) from exc
@@ -207,7 +214,7 @@ class NodeAgentProvider(Provider):
             if agent is None:
                 continue
             try:
-                await agent.delete.options(name="sandman:delete:%s" % sandbox_id).remote(sandbox_id)
+                await agent.delete.options(name=self._task("delete")).remote(sandbox_id)
             except ray.exceptions.RayActorError:
                 self._agents.pop(node_id, None)  # its sandboxes went with it
             except ProviderError as exc:
@@ -244,7 +251,7 @@ class NodeAgentProvider(Provider):
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         return await self._on_agent(await self._node_of(sandbox_id), "reset", sandbox_id,
-                                    task="sandman:reset:%s" % sandbox_id)
+                                    task=self._task("reset"))
 
     # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
     async def _node_of(self, sandbox_id: str) -> str:

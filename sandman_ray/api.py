@@ -16,7 +16,7 @@ from sandman_ray.handle import SandboxHandle
 from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
 from sandman_ray.lookup import current, forget_pool, get_pool, looked_up_again, session_cache
 from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
-from sandman_ray.pool.cluster import HOST_PREFIX
+from sandman_ray.pool.cluster import HOST_PREFIX, pool_task_name
 from sandman_ray.pool.states import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
@@ -288,7 +288,7 @@ def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optio
     dashboard shows."""
     if not isinstance(spec, str):
         spec = SandboxSpec.of(spec)
-    return actor.lease.options(name="sandman:acquire:%s" % pool).remote(pack_lease_request(
+    return actor.lease.options(name=pool_task_name("acquire", pool)).remote(pack_lease_request(
         spec, client or _client_id(), max(deadline - time.monotonic(), 0.001), host.name,
         node, lease_id, where))
 

@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandman_ray.errors import ProviderError
+from sandman_ray.pool.cluster import pool_task_name
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, fatal, transient)
 from sandman_ray.spec import SandboxSpec
@@ -93,13 +94,6 @@ class NodeAgentProvider(Provider):
         state["_agents"], state["_where"], state["_nodes"] = {}, {}, None
         state["_creating"], state["_snapshot_nodes"] = {}, {}
         return state
-
-    def _task(self, op: str) -> str:
-        """The name of an ``op`` call on the Ray dashboard: ``sandman:<op>:<pool>``. Never
-        a sandbox id: Ray counts the tasks a process submits by name (its ``ray_tasks``
-        metric) and keeps every name's series for the life of the process, so a name per
-        sandbox grows the pool's memory with every sandbox it ever made."""
-        return "sandman:%s:%s" % (op, self.pool)
 
     # ---- agents
     def _alive_nodes(self) -> List[str]:
@@ -189,7 +183,7 @@ class NodeAgentProvider(Provider):
         self._creating[sandbox_id] = False
         try:
             info = await self.agent(node).create.options(
-                name=self._task("create")).remote(sandbox_id, spec, labels)
+                name=pool_task_name("create", self.pool)).remote(sandbox_id, spec, labels)
         except ray.exceptions.RayActorError as exc:
             self._where.pop(sandbox_id, None)
             raise self._agent_gone(node, exc) from exc
@@ -214,7 +208,8 @@ class NodeAgentProvider(Provider):
             if agent is None:
                 continue
             try:
-                await agent.delete.options(name=self._task("delete")).remote(sandbox_id)
+                await agent.delete.options(
+                    name=pool_task_name("delete", self.pool)).remote(sandbox_id)
             except ray.exceptions.RayActorError:
                 self._agents.pop(node_id, None)  # its sandboxes went with it
             except ProviderError as exc:
@@ -251,7 +246,7 @@ class NodeAgentProvider(Provider):
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         return await self._on_agent(await self._node_of(sandbox_id), "reset", sandbox_id,
-                                    task=self._task("reset"))
+                                    task=pool_task_name("reset", self.pool))
 
     # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
     async def _node_of(self, sandbox_id: str) -> str:

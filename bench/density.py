@@ -2,6 +2,7 @@
 
     python bench/density.py [--ns 100,250,500,1000] [--samples 100] [--exec-samples 1000]
                             [--paused 20]
+    python bench/density.py --floors
 
 On a local Ray with the LocalProvider and ``builtin:debian``, one pool leases N
 sandboxes to this driver, each with a live shell session (``run``) and a sleeping
@@ -14,6 +15,8 @@ resumed: their first call is timed, and later steps pick among the others), the 
 available memory, and the threads and open files of the pool's actor, the node agent
 and the handle host. Where a step cannot be reached, the run says at which N and why,
 and stops there. Prints a table and a JSON line; writes bench/results/density.json.
+Last, beside the idle handle host, the floors of any actor here: bare actors and a
+plain ``import ray`` (``--floors`` measures only those).
 (``make bench`` runs it as its density section: ``density``, ``rows``.)
 """
 
@@ -43,6 +46,7 @@ from sandman_ray.spec import DEFAULT_IMAGE  # noqa: E402
 
 STATE = "/tmp/sandman-ray/bench-density"
 RESULTS = ROOT / "bench" / "results" / "density.json"
+FLOORS = ROOT / "bench" / "results" / "density-floors.json"
 GROW_AT_ONCE = 25  # acquires in flight while a step grows
 
 
@@ -112,23 +116,63 @@ class _BareLean(_Bare):
         _without_foreign_serializers()
 
 
+class _BareLeanHostModules(_BareLean):
+    """A lean bare actor that has imported the handle host's modules (sandman_ray.host
+    and what it imports) and holds nothing: what a host costs before its first lease."""
+
+    def __init__(self):
+        super().__init__()
+        import sandman_ray.host  # noqa: F401
+
+
+def memory_of(pid: int) -> dict:
+    """Threads, fds, PSS and anonymous memory (private or copied on write: what no other
+    process shares) of ``pid``."""
+    return dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024,
+                anon_mb=pss_kb([pid], "Anonymous") / 1024)
+
+
 def bare_actor() -> dict:
-    """The PSS, threads and fds of a bare actor, of one that skips other libraries'
-    serializers as a handle host does, and of a threaded one of the handle host's
-    earlier shape (threads for calls and a control group), each idle after 1,000
-    calls (an actor's memory grows with its first calls)."""
+    """The memory of a bare actor, of one that skips other libraries' serializers as a
+    handle host does, of that one with the host's modules imported, and of a threaded
+    one of the handle host's earlier shape (threads for calls and a control group),
+    each idle after 1,000 calls (an actor's memory grows with its first calls)."""
     out = {}
     for name, actor_class in (
             ("bare", ray.remote(num_cpus=0)(_Bare)),
             ("bare, without other libraries' serializers", ray.remote(num_cpus=0)(_BareLean)),
+            ("bare, lean, the host's modules imported",
+             ray.remote(num_cpus=0)(_BareLeanHostModules)),
             ("threaded, 192 + 64", ray.remote(num_cpus=0, max_concurrency=192,
                                               concurrency_groups={"control": 64})(_Bare))):
         actor = actor_class.remote()
         for _ in range(1000):
             pid = ray.get(actor.pid.remote())
-        out[name] = dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024)
+        out[name] = memory_of(pid)
         ray.kill(actor)
     return out
+
+
+def import_floor() -> dict:
+    """The memory of a plain Python process (this interpreter, no Ray connection) that
+    has only run ``import ray``: what every Ray worker process carries before it does
+    anything, and so the least a handle host can cost while it is a Ray actor."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, ray; sys.stdout.write('ready\\n'); "
+         "sys.stdout.flush(); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the import ray process exited with %s" % child.wait())
+        return memory_of(child.pid)
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def floors() -> dict:
+    """What any Ray actor costs here, beside which the handle host's memory reads."""
+    return {"bare_actor": bare_actor(), "import_ray": import_floor()}
 
 
 def available_mb() -> float:
@@ -270,6 +314,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paused", type=int, default=20)
     parser.add_argument("--swap-gb", type=int, default=4,
                         help="a swap file for the run where the node has none (0: none)")
+    parser.add_argument("--floors", action="store_true",
+                        help="only the floors of any actor here (bare actors, import ray), "
+                        "in a minute; written to bench/results/density-floors.json")
     args = parser.parse_args(argv)
     try:
         ns = parse_ns(args.ns)
@@ -277,6 +324,13 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     ray.init(num_cpus=2, namespace="sandman-bench", include_dashboard=False,
              log_to_driver=False)
+    if args.floors:
+        out = floors()
+        for row in floor_rows(out):
+            print("%-90s %8s  %s" % row[1:])
+        print(json.dumps(out))
+        FLOORS.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     out = density(ns, args.samples, args.exec_samples, args.paused, args.swap_gb)
     if out["stopped"]:
         print("stopped at N=%(n)d with %(held)d held: %(error)s" % out["stopped"])
@@ -311,8 +365,8 @@ def grow_and_measure(pool: str, ns: List[int], samples: int, exec_samples: int, 
             sandman.release(sb)
         held.clear()
         if host is not None:
-            out["host_idle"] = dict(threads_and_fds(host), pss_mb=pss_kb([host]) / 1024)
-            out["bare_actor"] = bare_actor()
+            out["host_idle"] = memory_of(host)
+            out.update(floors())
     finally:
         for sb in held:
             try:
@@ -382,10 +436,6 @@ def print_table(out: dict) -> None:
         print("%-28s %s" % (key, "%.2f" % value if isinstance(value, float) else value))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def rows(out: dict) -> List[tuple]:
     """The density section's lines of ``make bench``'s table."""
     rows = []
@@ -431,12 +481,32 @@ def rows(out: dict) -> List[tuple]:
                  ("density", "handle host: per held lease",
                   "%.1f kB" % s["host_kb_per_lease"], "%d threads at N=%d; target <= 20 kB" % (
                       s["host_threads_at_largest_n"], s["largest_n"]))]
+    return rows + floor_rows(out)
+
+
+def floor_rows(out: dict) -> list:
+    """The idle handle host beside the floors of any actor (PSS; anonymous memory, the
+    part no other process shares)."""
+    rows = []
     if "host_idle" in out:
         rows.append(("density", "handle host idle, its leases released", "%.0f MB" %
-                     out["host_idle"]["pss_mb"], "%d threads, %d fds; target <= 30 MB" % (
-                         out["host_idle"]["threads"], out["host_idle"]["fds"])))
+                     out["host_idle"]["pss_mb"], "anonymous %s; %d threads, %d fds; target "
+                     "<= 30 MB" % (_anon(out["host_idle"]), out["host_idle"]["threads"],
+                                   out["host_idle"]["fds"])))
     for name, bare in out.get("bare_actor", {}).items():
         rows.append(("density", "a Ray actor that does nothing (%s), idle" % name,
-                     "%.0f MB" % bare["pss_mb"], "%d threads: the floor of any actor here"
-                     % bare["threads"]))
+                     "%.0f MB" % bare["pss_mb"], "anonymous %s; %d threads: the floor of any "
+                     "actor here" % (_anon(bare), bare["threads"])))
+    if "import_ray" in out:
+        rows.append(("density", "a Python process that only ran import ray (no Ray connection)",
+                     "%.0f MB" % out["import_ray"]["pss_mb"], "anonymous %s: in every Ray "
+                     "worker process before its first call" % _anon(out["import_ray"])))
     return rows
+
+
+def _anon(memory: dict) -> str:
+    return "%.0f MB" % memory["anon_mb"] if "anon_mb" in memory else "not read"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,13 +47,14 @@ def pss_kb(pid: int) -> int:
     return pss_of([pid] + descendants(pid))
 
 
-def pss_of(pids) -> int:
-    """PSS of the processes ``pids`` (those still there), in KiB."""
+def pss_of(pids, field: str = "Pss") -> int:
+    """PSS of the processes ``pids`` (those still there), in KiB; or another line of
+    their smaps_rollup (``Anonymous``: their private and copied-on-write memory)."""
     total = 0
     for current in pids:
         try:
             with open("/proc/%d/smaps_rollup" % current) as fh:
-                total += next(int(l.split()[1]) for l in fh if l.startswith("Pss:"))
+                total += next(int(l.split()[1]) for l in fh if l.startswith(field + ":"))
         except (OSError, StopIteration):
             continue
     return total

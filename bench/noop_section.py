@@ -4,7 +4,8 @@ Ray actor whose method spawns ``true`` itself (the floor of our path: one actor 
 one spawn), a bare actor call, the same bare actor asking the least a daemon can do
 (``bench/minimal_daemon.py``) to run ``true`` (what any design that runs the command in
 another process costs over the floor), the yardstick of ``.remote()``'s own shape (a
-threaded actor asking the minimal daemon and returning an ``ExecResult``), the daemon
+threaded actor asking the minimal daemon and returning an ``ExecResult``) and the same
+in the handle host's asyncio form, the daemon
 client straight to a sandbox, the handle's direct calls (``sb.exec("true")``,
 ``sb.run("true")``: the caller's own connection to the daemon) beside the daemon client
 on the handle's own sandbox, and SWE-ReX's ``swerex-remote`` server (a host process, no
@@ -40,6 +41,7 @@ from common import ENV, pct, provider
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 YARDSTICK = "threaded actor -> minimal daemon: exec true, an ExecResult (the yardstick)"
+ASYNC_YARDSTICK = "asyncio actor -> minimal daemon: exec true, an ExecResult (the host's form)"
 
 
 @ray.remote(num_cpus=0)
@@ -79,6 +81,26 @@ class ResultYardstick:
         if client is None:
             client = self.local.client = DaemonClient(self.address, "unused")
         return client.exec(cmd)
+
+
+@ray.remote(num_cpus=0)
+class AsyncResultYardstick:
+    """The yardstick in the handle host's own form: an asyncio actor that skips other
+    libraries' serializers, as the host does, and asks bench/minimal_daemon.py through
+    one multiplexed connection (``AsyncDaemonClient``), returning the ``ExecResult``.
+    Beside ``ResultYardstick`` it shows what the asyncio form costs any actor; beside
+    the public API, what the host's code and our daemon add to it."""
+
+    def __init__(self, address: str):
+        from sandman_ray.host import _without_foreign_serializers
+        _without_foreign_serializers()
+        self.address, self.client = address, None
+
+    async def exec(self, cmd: str) -> ExecResult:
+        if self.client is None:
+            from sandman_ray.client import AsyncDaemonClient
+            self.client = await AsyncDaemonClient.connect(self.address, "unused")
+        return await self.client.exec(cmd)
 
 
 class SweRex:
@@ -174,6 +196,7 @@ def noop(samples: int, rounds: int = 50) -> dict:
     minimal = minimal_daemon.start(minimal_dir / "minimal.sock")
     minimal_addr = "unix:%s" % (minimal_dir / "minimal.sock")
     yardstick = ResultYardstick.remote(minimal_addr)
+    async_yardstick = AsyncResultYardstick.remote(minimal_addr)
     # the daemon client on the handle's own sandbox (its lease's address and token):
     # the direct calls' yardstick, the same daemon under the same limits
     same = DaemonClient(sb._direct.address, sb._direct.token)
@@ -189,6 +212,7 @@ def noop(samples: int, rounds: int = 50) -> dict:
             "bare actor -> minimal daemon: exec true":
                 lambda: ray.get(bare.minimal_daemon_true.remote(minimal_addr)),
             YARDSTICK: lambda: ray.get(yardstick.exec.remote("true")),
+            ASYNC_YARDSTICK: lambda: ray.get(async_yardstick.exec.remote("true")),
             "daemon client: exec true": lambda: client.exec("true"),
             "daemon client: session true": lambda: client.run("true"),
             "direct: exec true": lambda: sb.exec("true"),
@@ -240,6 +264,9 @@ def noop(samples: int, rounds: int = 50) -> dict:
         / p50["bare actor -> minimal daemon: exec true"],
         "exec / ExecResult yardstick": p50["public API: exec true"]
         / p50[YARDSTICK],
+        "asyncio / threaded ExecResult yardstick": p50[ASYNC_YARDSTICK] / p50[YARDSTICK],
+        "exec / asyncio ExecResult yardstick": p50["public API: exec true"]
+        / p50[ASYNC_YARDSTICK],
         "direct exec / daemon client": p50["direct: exec true"]
         / p50["daemon client, the handle's sandbox: exec true"],
         "direct session / daemon client": p50["direct: session true"]
@@ -269,6 +296,11 @@ def noop_rows(noop: dict) -> List[tuple]:
                "%.2fx", "the int yardstick"),
               ("exec true: public API / threaded actor -> minimal daemon, ExecResult",
                "exec / ExecResult yardstick", "%.2fx", "target <= 1.10x"),
+              ("exec true: asyncio / threaded actor -> minimal daemon, ExecResult",
+               "asyncio / threaded ExecResult yardstick", "%.2fx", "the asyncio form's own cost"),
+              ("exec true: public API / asyncio actor -> minimal daemon, ExecResult",
+               "exec / asyncio ExecResult yardstick", "%.2fx",
+               "the host's code and our daemon over its form"),
               ("exec true: direct / daemon client, the handle's sandbox",
                "direct exec / daemon client", "%.2fx", "target <= 1.10x"),
               ("session true: direct / daemon client, the handle's sandbox",

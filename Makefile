@@ -71,11 +71,11 @@ TEST_FAST := $(wildcard tests/test_daemon_*.py) tests/test_codec.py tests/test_b
 test-fast: system-packages $(TEST_STAMP) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 $(TEST_FAST)
 
-# the fault suite (bench/chaos.py), every scenario once, and 5,000 cycles of the soak
-# (bench/soak.py), as tests
+# the fault suite (bench/chaos.py), every scenario once, 5,000 cycles of the soak
+# (bench/soak.py), and twenty network pools shut down in turn, as tests
 test-chaos: system-packages $(call STAMP,test) $(BUILTIN)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "chaos or soak" tests/test_chaos.py \
-		tests/test_soak.py
+		tests/test_soak.py tests/test_shutdown_leaves_nothing.py
 
 # the isolation section measures this commit's levels beside those of BENCH_AGAINST (the
 # last commit before the system call policy and the interface filter), in turns

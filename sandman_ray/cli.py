@@ -32,6 +32,7 @@ def _connect(address: str) -> None:
     import ray
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     _reachable(address)
+    _admitted(address)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False,
                  include_dashboard=False, configure_logging=False)
@@ -50,6 +51,32 @@ def _reachable(address: str) -> None:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
     except OSError as exc:
         raise CliError("no Ray cluster at %r: %s" % (address, exc)) from None
+
+
+def _admitted(address: str) -> None:
+    """Fail at once, saying why, on a cluster that refuses this process's credentials:
+    one with token authentication, named by its address while this process has
+    RAY_AUTH_MODE unset (Ray then sends no token: it takes the token of ~/.ray only for
+    a cluster it finds itself, ``auto``), where ``ray.init`` retries for 20 s and then
+    reports no cluster at all. The check is one GCS client made (Ray's own, internal),
+    refused as soon as it asks the cluster's id."""
+    import ray
+    if address.startswith(("ray://", "auto")):
+        return
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:  # pragma: no cover - a Ray without it: ray.init says what it can
+        return
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        raise CliError(
+            "the Ray cluster at %r refused this client's credentials: it uses token "
+            "authentication; set RAY_AUTH_MODE=token, with the cluster's token in "
+            "~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (`ray get-auth-token` "
+            "prints it on the cluster)" % address) from None
+    except Exception:  # noqa: BLE001 - anything else: ray.init's own error says it
+        return
 
 
 def _pool_names() -> List[str]:

@@ -4,6 +4,7 @@ and the ``sandman`` command against live pools."""
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -312,3 +313,24 @@ def test_sandman_refuses_clearly_and_starts_no_cluster(cluster):
     assert missing.returncode == 2 and "no pool named 'no-such-pool'" in missing.stderr
     bad = sandman_cmd(cluster, "bench", "nonexistent")
     assert bad.returncode == 2 and "no benchmark 'nonexistent'" in bad.stderr
+
+
+def test_sandman_names_a_refused_token_at_once(cluster):
+    """This module's Ray uses token authentication (Ray's default for a cluster that
+    ray.init starts, and for ``ray start``). A shell that names the cluster's address
+    without RAY_AUTH_MODE=token sends Ray no token: the CLI says so, and what to set,
+    instead of retrying for 20 s and reporting no cluster; with the variable set, the
+    same command answers."""
+    assert os.environ.get("RAY_AUTH_MODE") == "token", "this Ray runs without token authentication"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    exe = str(Path(sys.executable).with_name("sandman"))
+    refused = subprocess.run([exe, "--address", cluster["gcs"], "status"], env=env,
+                             capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+    assert refused.returncode == 2, refused.stderr
+    assert "token authentication" in refused.stderr and "RAY_AUTH_MODE=token" in refused.stderr
+    assert "no Ray cluster" not in refused.stderr
+    admitted = subprocess.run([exe, "--address", cluster["gcs"], "status"],
+                              env=dict(env, RAY_AUTH_MODE="token"), capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert admitted.returncode == 0, admitted.stderr

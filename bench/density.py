@@ -257,8 +257,7 @@ def measure(pool: str, held: list, samples: int, exec_samples: int, paused: int,
     status = timed(lambda: ray.get(sandman.get_pool(pool).status.remote()), 20)
     loop_ms = ray.get(sandman.get_pool(pool).status.remote())["loop_ms"]
     pids = actor_pids(pool, held[0])
-    procs = {role: dict(threads_and_fds(pid), pss_mb=pss_kb([pid]) / 1024)
-             for role, pid in pids.items()}
+    procs = {role: memory_of(pid) for role, pid in pids.items()}
     ms = lambda values, q: pct(values, q) * 1e3  # noqa: E731
     return {"exec_direct_p50_ms": ms(direct, 0.5), "exec_direct_p99_ms": ms(direct, 0.99),
             "exec_same_p50_ms": ms(same, 0.5), "exec_same_p99_ms": ms(same, 0.99),

@@ -32,7 +32,6 @@ def _connect(address: str) -> None:
     import ray
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     _reachable(address)
-    _admitted(address)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False,
                  include_dashboard=False, configure_logging=False)
@@ -42,7 +41,8 @@ def _connect(address: str) -> None:
 
 
 def _reachable(address: str) -> None:
-    """Fail fast on a ``host:port`` nobody listens on (Ray itself retries for minutes)."""
+    """Fail fast on a ``host:port`` nobody listens on (Ray itself retries for minutes),
+    or whose cluster refuses this process (``_admitted``)."""
     import socket
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
@@ -51,6 +51,7 @@ def _reachable(address: str) -> None:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
     except OSError as exc:
         raise CliError("no Ray cluster at %r: %s" % (address, exc)) from None
+    _admitted(address)
 
 
 def _admitted(address: str) -> None:
@@ -61,8 +62,6 @@ def _admitted(address: str) -> None:
     reports no cluster at all. The check is one GCS client made (Ray's own, internal),
     refused as soon as it asks the cluster's id."""
     import ray
-    if address.startswith(("ray://", "auto")):
-        return
     try:
         from ray._raylet import GcsClient
     except ImportError:  # pragma: no cover - a Ray without it: ray.init says what it can

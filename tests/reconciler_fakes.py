@@ -34,9 +34,14 @@ class FakeCluster:
         self.hosts, self.nodes = set(), {NODE, OTHER}
         self.told, self.offered = [], []
         self.held = {}  # host name -> the leases it holds
+        self.answered = set()  # hosts that answered an offer, until asked
 
     async def live_hosts(self):
         return set(self.hosts)
+
+    async def answered_hosts(self):
+        answered, self.answered = self.answered, set()
+        return answered
 
     async def alive_nodes(self):
         return set(self.nodes)

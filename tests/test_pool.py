@@ -3,6 +3,7 @@ owners that die, handles that are dropped, acquires that time out or are cancell
 a pool actor that is killed, a provider that throttles."""
 
 import gc
+import glob
 import os
 import pickle
 import signal
@@ -195,6 +196,45 @@ def test_sigkilled_driver_leaves_no_leased_sandbox(cluster, image):
                    what="reclaimed sandboxes to settle")
         assert len(provider_sandboxes(pool)) == len(_pool_states(pool))
         assert reclaimed_in <= 5
+    finally:
+        sandman.shutdown_pool(pool)
+
+
+def _sandbox_processes(pool):
+    """The host pids in the cgroups of ``pool``'s sandboxes on this host: what its
+    sandboxes run, read from the kernel (no Ray call)."""
+    from sandman_ray.providers.local.agent import agent_groups
+    pids = set()
+    for group in agent_groups(pool):
+        for procs in glob.glob(os.path.join(group, "*", "cgroup.procs")):
+            try:
+                with open(procs) as fh:
+                    pids.update(int(line) for line in fh if line.strip())
+            except OSError:  # removed meanwhile
+                continue
+    return pids
+
+
+def test_a_driver_killed_right_after_its_burst_leaves_no_sandbox_within_seconds(
+        cluster, image):
+    """A driver acquires a burst, runs a command in each through its host and is
+    SIGKILLed at once: the leases it took since the last sweep saw its host are ended
+    at the next sweep like the others (the pool offered them to that host, which served
+    them), not after the lease grace; every sandbox's processes are gone from the host's
+    process table within 5 s."""
+    pool = make_pool(max_starting=32, reuse="delete", lease_grace_s=60)
+    try:
+        proc = holding_driver(cluster, RAY_NAMESPACE, pool, image, 10)
+        running = _sandbox_processes(pool)  # read in a few ms: no sweep between
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert len(running) >= 10  # a daemon in each, at least
+        proc.wait()
+        wait_until(lambda: not _sandbox_processes(pool), timeout=40,
+                   what="the dead driver's sandboxes to be deleted")
+        gone_in = time.monotonic() - killed
+        assert gone_in <= 5, "the last sandbox went %.1f s after the kill" % gone_in
+        assert provider_sandboxes(pool) == []
     finally:
         sandman.shutdown_pool(pool)
 

@@ -222,6 +222,44 @@ def test_a_lease_held_by_a_host_not_yet_seen_waits_for_the_grace():
     run(main())
 
 
+def test_every_lease_of_a_host_once_seen_ends_when_it_dies_however_new():
+    """A host seen alive by one sweep takes another lease and dies before the next: that
+    sweep ends both leases, not only the one it saw the host hold (the newer one does not
+    wait out the grace)."""
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 3}, lease_grace_s=30)
+        await settle(pool)
+        cluster.hosts = {"h1"}
+        first = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        clock.now += 1
+        await pool.sweep()
+        newer = await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+        clock.now += 1
+        cluster.hosts = set()
+        await pool.sweep()
+        assert "host h1 is gone" in pool.ended[first.lease_id]
+        assert "host h1 is gone" in pool.ended[newer.lease_id]
+        assert pool.hosts_seen == set()  # forgotten with its last lease
+    run(main())
+
+
+def test_a_host_that_answered_an_offer_counts_as_seen():
+    """A client's host takes the offers of a burst of acquires and dies before any sweep
+    listed it alive: the pool delivered them, so the next sweep ends them all."""
+    async def main():
+        pool, _, clock, cluster = make(warm={SPEC: 3}, lease_grace_s=30)
+        await settle(pool)
+        leases = [await pool.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
+                  for _ in range(3)]
+        assert [h for h, _ in cluster.offered] == ["h1"] * 3
+        cluster.answered = {"h1"}  # its take() answered; it never showed in a host list
+        clock.now += 1
+        await pool.sweep()
+        for lease in leases:
+            assert "host h1 is gone" in pool.ended[lease.lease_id]
+    run(main())
+
+
 def test_a_request_is_cancelled_by_its_lease_id_before_and_after_it_is_served():
     async def main():
         pool, _, _, _ = make(max_starting=1, create_rate_per_s=0.01, create_burst=1)

@@ -9,10 +9,11 @@ reconciler a fake of it instead, and a fake ``Clock``.
 """
 
 import asyncio
+import collections
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Optional
+from typing import Deque, Dict, Optional, Tuple
 
 import ray
 
@@ -51,12 +52,41 @@ class RayCluster:
         self.host_thread: Optional[ThreadPoolExecutor] = None  # telling hosts
         # host name -> its actor handle, looked up once (on the host thread)
         self.hosts: Dict[str, object] = {}
+        # offers sent and not yet answered: (host name, the ref of its ``take``); and
+        # hosts found gone when an offer was to be sent (appended from the host thread)
+        self.offers: Deque[Tuple[str, object]] = collections.deque()
+        self.gone_at_offer: Deque[str] = collections.deque()
 
     async def live_hosts(self) -> set:
         names = await asyncio.get_running_loop().run_in_executor(None, live_host_names)
         if self.host_thread is not None:
             self.host_thread.submit(self.forget_hosts, names)
         return names
+
+    async def answered_hosts(self) -> set:
+        """The hosts that answered an offer (or were found gone when one was sent)
+        since the last call: each existed, so its death ends every lease it holds."""
+        if not self.offers and not self.gone_at_offer:
+            return set()
+        return await asyncio.get_running_loop().run_in_executor(None, self._answered)
+
+    def _answered(self) -> set:
+        answered = set()
+        while self.gone_at_offer:
+            answered.add(self.gone_at_offer.popleft())
+        pending = []
+        while self.offers:
+            pending.append(self.offers.popleft())
+        if pending:
+            ready, _ = ray.wait([ref for _, ref in pending], num_returns=len(pending),
+                                timeout=0, fetch_local=False)
+            done = set(ready)
+            for host, ref in pending:
+                if ref in done:  # taken, or failed because the host died: it existed
+                    answered.add(host)
+                else:
+                    self.offers.append((host, ref))
+        return answered
 
     async def alive_nodes(self) -> set:
         return await asyncio.get_running_loop().run_in_executor(None, alive_nodes)
@@ -87,7 +117,7 @@ class RayCluster:
         actor = self.hosts.get(host)
         if actor is not None:
             try:
-                getattr(actor, method).remote(*args)
+                self._call(host, actor, method, args)
                 return
             except Exception:  # noqa: BLE001 - gone: the thread looks it up again
                 self.hosts.pop(host, None)
@@ -101,12 +131,19 @@ class RayCluster:
             try:
                 actor = self.hosts[host] = ray.get_actor(host, namespace=NAMESPACE)
             except ValueError:  # gone: nothing holds the lease any more
+                if method == "take":
+                    self.gone_at_offer.append(host)
                 return
         try:
-            getattr(actor, method).remote(*args)
+            self._call(host, actor, method, args)
         except Exception:  # noqa: BLE001 - a host that died meanwhile holds nothing
             self.hosts.pop(host, None)
             logger.debug("host %s could not be sent %s%r", host, method, args[:1])
+
+    def _call(self, host: str, actor, method: str, args: tuple) -> None:
+        ref = getattr(actor, method).remote(*args)
+        if method == "take":  # its answer shows the host existed (answered_hosts)
+            self.offers.append((host, ref))
 
     def forget_hosts(self, live: set) -> None:
         """Drop the handles of hosts that are no longer among the ``live`` ones."""

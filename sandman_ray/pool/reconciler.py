@@ -67,6 +67,9 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
         self.delete_waiters: Dict[str, List[asyncio.Future]] = {}
         self.last_lent: Dict[SandboxSpec, float] = {}
         self.ended = EndedLeases()  # for hosts that ask why_ended
+        # hosts seen alive (or that answered an offer) that live or hold a lease: once
+        # gone, every lease they hold ends at the next sweep (Upkeep.sweep)
+        self.hosts_seen: set = set()
         self.wake: Optional[asyncio.Event] = None
         self.loop_times = LoopTimes()  # what its ticks and sweeps take (``status``)
         self._init_snapshots()

@@ -67,6 +67,10 @@ class Records:
         self.visited += len(recs)
         return recs
 
+    def holders(self) -> set:
+        """The names of the hosts that hold a lease."""
+        return set(self.per_holder)
+
     def on_node(self, node_id: str) -> List[Sandbox]:
         recs = list(self.per_node.get(node_id, {}).values())
         self.visited += len(recs)

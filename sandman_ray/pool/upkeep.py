@@ -24,7 +24,11 @@ class Upkeep:
         if not leased:
             return
         taken = self.clock.monotonic()
+        # asked before the list: a host that answered an offer had its name before the
+        # list was taken, so it is on it while it lives
+        answered = await self.cluster.answered_hosts()
         names = await self.cluster.live_hosts()
+        self.hosts_seen |= answered | (names & self.records.holders())
         now = self.clock.monotonic()
         for rec in leased:
             if rec.state is not State.LEASED or rec.registered_at >= taken:
@@ -33,6 +37,8 @@ class Upkeep:
             if why:
                 self.stats["reclaimed"] += 1
                 self.end_lease(rec, "reclaimed: " + why)
+        # a host is remembered while it lives or holds a lease (its death ends them)
+        self.hosts_seen &= names | self.records.holders()
 
     async def drop_dead_nodes(self) -> None:
         """Forget the sandboxes on Ray nodes that have died (with them): their holders
@@ -49,9 +55,12 @@ class Upkeep:
 
     def _orphaned(self, rec: Sandbox, names: set, now: float) -> Optional[str]:
         """Why no live host holds the leased ``rec`` (None: one does, or its host may
-        still be starting). ``names``: the live hosts' names."""
+        still be starting). ``names``: the live hosts' names. A host seen alive once,
+        or that answered an offer, is seen for every lease it holds, however new: its
+        death ends them all at the next sweep; the grace is only for a host that
+        never appeared."""
         alive = rec.holder is not None and rec.holder in names
-        rec.holder_seen = rec.holder_seen or alive
+        rec.holder_seen = rec.holder_seen or alive or rec.holder in self.hosts_seen
         if not alive and rec.holder_seen:
             return "host %s is gone" % rec.holder
         if not alive and now - rec.leased_at > self.config.lease_grace_s:

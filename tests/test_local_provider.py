@@ -309,6 +309,52 @@ def test_image_user_by_name_and_unknown_names(provider, busybox_rootfs, tmp_path
     assert err.value.kind == "fatal"
 
 
+def _held_ranges() -> int:
+    """How many uid ranges of this host some agent holds (their lock files locked)."""
+    import fcntl
+    from sandman_ray.providers.local.agent import RANGE_LOCKS
+    held = 0
+    for entry in os.scandir(RANGE_LOCKS):
+        fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            held += 1
+        finally:
+            os.close(fd)
+    return held
+
+
+def _left_by(provider) -> dict:
+    """What the provider's agents keep on this host: sandbox state directories and
+    sandbox cgroups (each a directory per sandbox), and the uid ranges held."""
+    from sandman_ray.providers.local.agent import agent_groups
+    states = [p for p in Path(STATE, provider.pool).glob("*/*/*") if p.is_dir()]
+    groups = [p for g in agent_groups(provider.pool) for p in Path(g).iterdir() if p.is_dir()]
+    return {"state": sorted(p.name for p in states), "cgroups": len(groups),
+            "ranges": _held_ranges()}
+
+
+@pytest.mark.parametrize("config", [{"Env": ["A=x\x00y"]}, {"User": 5}, {"WorkingDir": []}],
+                         ids=["env-with-nul", "user-not-a-string", "workdir-not-a-string"])
+def test_a_failed_launch_leaves_nothing_whatever_failed(provider, busybox_rootfs, tmp_path,
+                                                        config):
+    """An image whose config breaks the launch (not with a provider error of its own) is
+    refused as fatal every time, and each try leaves no uid range, cgroup or state
+    directory behind: a dataset with such an image must not use up the node's ranges."""
+    oci = write_oci_layout(busybox_rootfs, tmp_path / "oci", "v1", config)
+    spec = SandboxSpec(image="oci:%s:v1" % oci)
+    with pytest.raises(ProviderError):  # the first try may claim the agent's first range
+        run(provider.create(new_id(), spec, {}))
+    before = _left_by(provider)
+    for _ in range(3):
+        with pytest.raises(ProviderError) as err:
+            run(provider.create(new_id(), spec, {}))
+        assert err.value.kind == "fatal"
+    assert _left_by(provider) == before
+
+
 def test_an_image_is_unpacked_once_under_concurrent_requests(busybox_rootfs, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
     from sandman_ray.images import ImageCache

@@ -63,6 +63,30 @@ def test_a_network_pools_shutdown_leaves_no_process_round_after_round(local_prov
         assert processes_matching("slirp4netns") == [], round_
 
 
+@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
+def test_a_shutdown_right_after_a_release_leaves_nothing(local_provider, isolation):
+    """Each round: a lease released and the pool shut down at once, while its sandbox's
+    reset is under way: the shutdown waits for the reset, whose relaunch does not start
+    once the agent is closing, so no cgroup, state directory or process of the pool is
+    left (a gVisor sandbox's relaunch, the slower, left them before)."""
+    import shutil
+    import ray
+    import sandman_ray as sandman
+    from sandman_ray.providers.local import LocalProvider, leftovers
+    if isolation == "gvisor" and shutil.which("runsc") is None:
+        pytest.fail("runsc is missing: make test installs it (apt-get install runsc)")
+    for round_ in range(ROUNDS):
+        pool = unique_pool(LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                                         isolation=isolation), "released", warm={})
+        sb = sandman.acquire(pool=pool, timeout=120)
+        assert ray.get(sb.exec.remote("echo up")).stdout == b"up\n"
+        sandman.release(sb)
+        sandman.shutdown_pool(pool)
+        left = leftovers(pool, LOCAL_STATE)
+        assert left == {"processes": [], "directories": [], "cgroups": []}, (round_, left)
+        assert processes_matching("%s/%s/" % (LOCAL_STATE, pool)) == [], round_
+
+
 def test_a_sandboxs_first_process_starts_in_its_cgroups(tmp_path):
     """The launching thread sits in the sandbox's groups while it forks: the chain's
     first process is in them before its first instruction (a shell that joined them

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 import ray
 
-from sandman_ray.errors import NotSupported, ProviderError, SandboxLost, SandmanError
+from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
 from sandman_ray.providers.base import (
     SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
 from sandman_ray.providers.mounts import ensure_nosuid_nodev
@@ -103,6 +103,7 @@ class NodeAgent:
         self.fetching = SingleFlight()  # snapshots being brought from another node
         self.locks: Dict[str, asyncio.Lock] = {}  # sandbox id -> its snapshot/pause lock
         self.resetting = set()  # sandboxes being reset: no holder's token is taken
+        self.resets = set()  # resets in flight (a shutdown waits for them)
         # copies run on threads of their own: a slow one never holds up creates
         self.capturing = ThreadPoolExecutor(2, thread_name_prefix="sandman-snapshot")
         self.captures = set()  # copies in flight (a shutdown waits for them)
@@ -152,7 +153,7 @@ class NodeAgent:
             image = await loop.run_in_executor(None, self.images.prepare, spec.image)
         except ProviderError:
             raise
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a hostile image's parse, whatever breaks: refused
             raise fatal("image %r: %s" % (spec.image, exc)) from exc
         try:
             ids = (await loop.run_in_executor(None, self.ranges.take, sandbox_id)
@@ -162,23 +163,27 @@ class NodeAgent:
         kind = GvisorProcess if self.isolation == "gvisor" else SandboxProcess
         extra = {"unprivileged": True} if self.unprivileged else {
             "cgroup_group": "%s/%s" % (self.cgroup_parent, sandbox_id), "ids": ids}
-        sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
-                       view_root=self.view_root, **extra)
-        if spec.network:  # no route to any node of the cluster, this one's or another's,
-            # nor to this node's own neighbours (its gateways and on-link subnets)
-            sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses) + \
-                self.routes
         try:
+            sandbox = kind(sandbox_id, image, self.bundle, self.state / sandbox_id, spec,
+                           view_root=self.view_root, **extra)
+        except BaseException:
+            if ids is not None:
+                self.ranges.give_back(sandbox_id, True)  # nothing of it ever ran
+            raise
+        try:
+            if spec.network:  # no route to any node of the cluster, this one's or
+                # another's, nor to this node's own neighbours (gateways, on-link subnets)
+                sandbox.neighbours = await loop.run_in_executor(None, ray_node_addresses) + \
+                    self.routes
             await self._launch(sandbox)
             await sandbox.wait_ready(self.ready_timeout_s)
-        except SandboxLost as exc:
-            await self._remove(sandbox)
-            raise transient(str(exc)) from exc
-        except OSError as exc:
-            await self._remove(sandbox)
-            raise fatal("sandbox %s cannot start: %s" % (sandbox_id, exc)) from exc
-        except ProviderError:
-            await self._remove(sandbox)
+        except BaseException as exc:  # whatever failed: its range, cgroups, state go
+            await self._removed_after(sandbox, exc)
+            if isinstance(exc, SandboxLost):
+                raise transient(str(exc)) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, ProviderError):
+                raise fatal("sandbox %s cannot start: %s: %s"
+                            % (sandbox_id, type(exc).__name__, exc)) from exc
             raise
         if self.closed:  # shut down while it started: nothing of it may stay
             await self._remove(sandbox)
@@ -190,7 +195,7 @@ class NodeAgent:
             loop.run_in_executor(None, self._prepare, sandbox)
         try:
             await check_answers(self._info(sandbox_id))  # what READY means, on this node
-        except ProviderError:
+        except BaseException:
             await self.delete(sandbox_id)
             raise
         return self._info(sandbox_id)
@@ -239,6 +244,19 @@ class NodeAgent:
         if sandbox is not None:
             await self._remove(sandbox)
 
+    async def _removed_after(self, sandbox, failure: BaseException) -> None:
+        """Remove ``sandbox`` after its start or reset failed with ``failure``, even
+        when that was this call's cancellation (the removal then still runs to its
+        end, shielded)."""
+        removal = asyncio.ensure_future(self._remove(sandbox))
+        try:
+            await asyncio.shield(removal)
+        except asyncio.CancelledError:
+            await removal  # cancelled again while removing: finish it first
+            raise
+        logger.info("pool %s: sandbox %s removed after a failed start: %s: %s", self.pool,
+                    sandbox.sandbox_id, type(failure).__name__, failure)
+
     async def _remove(self, sandbox) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sandbox.remove)
         if not sandbox.emptied:
@@ -261,9 +279,14 @@ class NodeAgent:
             self.resetting.add(sandbox_id)
             if sandbox.cgroups is not None and sandbox.cgroups.frozen():
                 sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
+        # run to its end even if its caller gives up: a shutdown waits for it, and
+        # no relaunch of it can start once the agent is closing
+        task = asyncio.ensure_future(self._reset(sandbox))
+        self.resets.add(task)
         try:
-            return await self._reset(sandbox)
+            return await asyncio.shield(task)
         finally:
+            self.resets.discard(task)
             self.resetting.discard(sandbox_id)
 
     async def _reset(self, sandbox) -> SandboxInfo:
@@ -274,17 +297,25 @@ class NodeAgent:
             try:
                 await sandbox.renew(self.renewing, self.ready_timeout_s)
                 return self._info(sandbox_id)
-            except (SandboxLost, OSError, ProviderError, SandmanError) as exc:
-                logger.warning("pool %s: sandbox %s could not be renewed (%s): starting it "
-                               "afresh", self.pool, sandbox_id, exc)
+            except Exception as exc:  # noqa: BLE001 - any failure: started afresh below
+                logger.warning("pool %s: sandbox %s could not be renewed (%s: %s): starting "
+                               "it afresh", self.pool, sandbox_id, type(exc).__name__, exc)
         try:
             await asyncio.get_running_loop().run_in_executor(self.launchers, sandbox.kill)
+            if self.closed:  # shut down meanwhile: no new chain may start
+                raise SandboxLost("the agent of pool %s on node %s is shutting down"
+                                  % (self.pool, self.node_id))
             await self._launch(sandbox)
             await sandbox.wait_ready(self.ready_timeout_s)
             await check_answers(self._info(sandbox_id))
-        except (SandboxLost, OSError, ProviderError) as exc:
+        except Exception as exc:  # whatever failed: nothing of it may stay
             await self.delete(sandbox_id)
-            raise transient("sandbox %s did not come back from reset: %s" % (sandbox_id, exc))
+            raise transient("sandbox %s did not come back from reset: %s: %s"
+                            % (sandbox_id, type(exc).__name__, exc)) from exc
+        if self.closed:  # shut down while it started again: the shutdown's delete of it
+            await self.delete(sandbox_id)  # may have run before it was back
+            raise fatal("the agent of pool %s on node %s was shut down during the reset "
+                        "of %s" % (self.pool, self.node_id, sandbox_id))
         if sandbox.renewable and sandbox.layer is None:
             asyncio.get_running_loop().run_in_executor(None, self._prepare, sandbox)
         return self._info(sandbox_id)
@@ -483,7 +514,7 @@ class NodeAgent:
         if self.control:
             self.control.close()
         await asyncio.gather(*self.creating.running.values(), *self.captures,
-                             return_exceptions=True)
+                             *self.resets, return_exceptions=True)
         ids = list(self.sandboxes)
         await asyncio.gather(*(self.delete(sid) for sid in ids))
         from sandman_ray.providers.janitor import clean

@@ -258,6 +258,63 @@ def test_the_specs_environment_never_reaches_the_host_side_of_the_launch(provide
     assert not marker.exists()
 
 
+# what an image's config may set that the daemon's loader, libc or interpreter would act on
+LOADER_VARIABLES = {"LD_PRELOAD": "/usr/lib/libsandman-mark.so", "LD_LIBRARY_PATH": "/usr/lib",
+                    "LD_AUDIT": "/usr/lib/libsandman-mark.so",
+                    "GLIBC_TUNABLES": "glibc.malloc.check=3", "MALLOC_ARENA_MAX": "1",
+                    "GCONV_PATH": "/tmp", "PYTHONPATH": "/tmp", "PYTHONSTARTUP": "/tmp/x.py"}
+
+
+@pytest.fixture(scope="module")
+def preloading_image(busybox_rootfs, tmp_path_factory):
+    """An image whose config preloads one of its own libraries (a shared object with no
+    dependency, so any process's loader maps it) and sets libc's and Python's variables."""
+    from sandman_ray.image_builders import write_oci_layout
+    where = tmp_path_factory.mktemp("preload")
+    (where / "mark.c").write_text("static void mark(void) __attribute__((constructor));\n"
+                                  "static void mark(void) {}\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-nostdlib", "-o", str(where / "mark.so"),
+                    str(where / "mark.c")], check=True)
+    config = {"Env": ["PATH=/bin"] + ["%s=%s" % kv for kv in sorted(LOADER_VARIABLES.items())]}
+    layers = [{"usr/lib/libsandman-mark.so": (where / "mark.so").read_bytes()}]
+    return "oci:%s:v1" % write_oci_layout(busybox_rootfs, where / "oci", "v1", config, layers)
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
+def test_an_images_loader_variables_reach_its_commands_never_the_daemon(preloading_image,
+                                                                       isolation):
+    """PID 1 holds the lease's token and the agent's: an image's LD_PRELOAD (or any
+    loader, libc or Python variable) must not load the image's code into it. The
+    daemon starts with PATH alone; its commands get the image's environment whole."""
+    from conftest import LOCAL_CACHE, LOCAL_STATE, run, shared_ray
+    from sandman_ray.providers.local import LocalProvider
+    shared_ray()
+    if isolation == "gvisor" and shutil.which("runsc") is None:
+        pytest.fail("runsc is missing: make test installs it (apt-get install runsc)")
+    provider = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                             isolation=isolation).bind("preload-%s" % uuid.uuid4().hex[:6])
+    try:
+        with Sandbox(provider, preloading_image) as sb:
+            seen = sh(sb, "tr '\\0' '\\n' < /proc/1/environ; echo ---; "
+                          "grep -c libsandman-mark /proc/1/maps; echo ---; env")
+            daemon_env, maps, commands = seen.split("---\n")
+            for key, value in LOADER_VARIABLES.items():
+                assert "%s=%s" % (key, value) in commands.split("\n")
+            if isolation == "gvisor":  # PID 1 as gVisor's kernel shows it inside
+                assert maps.strip() == "0"
+            else:  # as the host sees PID 1 (inside, its maps and environ are not readable)
+                pid = daemon_pid(sb)
+                with open("/proc/%d/environ" % pid, "rb") as fh:
+                    daemon_env = fh.read().decode().replace("\0", "\n")
+                with open("/proc/%d/maps" % pid) as fh:
+                    assert "libsandman-mark" not in fh.read()
+            # PATH alone, and what the launcher adds: bwrap's PWD, the OCI runtime's HOME
+            assert {e.partition("=")[0] for e in daemon_env.split()} <= {"PATH", "PWD", "HOME"}, \
+                daemon_env
+    finally:
+        run(provider.shutdown())
+
+
 def test_a_snapshot_copies_what_a_sandbox_left_without_following_it(provider):
     """A hostile sandbox leaves, for its snapshot to copy: a link to the host's
     /etc/shadow, a link out of the layer, a FIFO, a setuid copy of a shell. The copy

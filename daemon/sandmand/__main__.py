@@ -7,6 +7,12 @@ Usage::
                 [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable;
                                                       the file is removed once read)
                 [--admin-token-fd N]    (the launcher's token, for renew)
+                [--env-fd N]            (the sandbox's environment, NUL-separated
+                                         KEY=VALUE entries, for the commands the
+                                         daemon starts; the daemon's own environment
+                                         stays the launcher's minimal one. With N the
+                                         token's descriptor, they follow the token's
+                                         first line)
                 [--root DIR]            (run in DIR, a path of the root it starts in,
                                          which renew moves it out of)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
@@ -32,7 +38,7 @@ if __name__ == "__main__" and not __package__:
     __package__, __spec__ = "sandmand", None
 
 from .attrs import drop_bounding_set  # noqa: E402
-from .daemon import OOM_COUNTERS, Daemon, OomCounter, oom_kills  # noqa: E402
+from .daemon import OOM_COUNTERS, Daemon, OomCounter, decode_environ, oom_kills  # noqa: E402
 from .wire import DEFAULT_OUTPUT_CAP, HELLO_TIMEOUT_S  # noqa: E402
 
 
@@ -41,7 +47,7 @@ def parse_args(argv):
             "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
             "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None,
-            "admin_token_fd": None, "root": None}
+            "admin_token_fd": None, "root": None, "env_fd": None}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -68,10 +74,16 @@ def main(argv=None):
         except OSError:
             pass  # a read-only mount (a secret volume): the launcher keeps it from others
     elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
-        with os.fdopen(int(opts["token_fd"]), "rb") as fh:
-            token = fh.read(4096).decode("ascii", "replace").strip()
+        first, _, rest = _read_all(int(opts["token_fd"]), "--token-fd").partition(b"\n")
+        token = first.decode("ascii", "replace").strip()
     else:
         token = os.environ.get("SANDMAN_TOKEN", "")
+    env = None
+    if opts["env_fd"] is not None:
+        if opts["env_fd"] == opts["token_fd"]:
+            env = decode_environ(rest)
+        else:
+            env = decode_environ(_read_all(int(opts["env_fd"]), "--env-fd"))
     admin_token = None
     if opts["admin_token_fd"] is not None:
         with os.fdopen(int(opts["admin_token_fd"]), "rb") as fh:
@@ -92,7 +104,8 @@ def main(argv=None):
     workdir = opts["workdir"] or os.getcwd()
     os.chdir(workdir)
     drop_bounding_set()  # before the Daemon notes its settings
-    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]))
+    daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]),
+                    env=env)
     daemon.admin_token, daemon.skeleton = admin_token, skeleton
     daemon.applied_limits = dict(item.partition("=")[::2] for item in opts["limits"].split(",")
                                  if item)
@@ -107,6 +120,19 @@ def main(argv=None):
     counter = next((c for c in counters if oom_kills(c) is not None), None)
     daemon.oom_counter = None if counter is None else OomCounter(counter)
     daemon.run(opts["listen"], ready_fd)
+
+
+# the most the launcher hands over on a descriptor (a token, an environment)
+LAUNCH_DATA_MAX = 16 * 2 ** 20
+
+
+def _read_all(fd, option):
+    """Everything on descriptor ``fd`` (to its end, at most LAUNCH_DATA_MAX), closed."""
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(LAUNCH_DATA_MAX + 1)
+    if len(data) > LAUNCH_DATA_MAX:
+        raise SystemExit("sandmand: %s holds more than %d bytes" % (option, LAUNCH_DATA_MAX))
+    return data
 
 
 def _close_inherited(keep):

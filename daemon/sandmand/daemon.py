@@ -20,7 +20,7 @@ from .ops.procs import ProcessOps
 from .ops.sessions import SessionOps
 from .ops.terminals import TerminalOps
 from .spawn import (
-    HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, sandbox_pids,
+    DEFAULT_PATH, HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, sandbox_pids,
     signal_tree)
 from .wire import (
     DEFAULT_KILL_GRACE_S, HELLO_TIMEOUT_S, KILL_SETTLE_S, MAX_UNAUTHENTICATED, OPS,
@@ -80,7 +80,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
     """The daemon's state, its lifecycle and the ops of the daemon itself (ping, info,
     shutdown); the other ops come from the mixins of ops/."""
 
-    def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S):
+    def __init__(self, token, workdir, default_cap, hello_timeout_s=HELLO_TIMEOUT_S,
+                 env=None):
         self.token = token  # the lease's; None while a renew runs
         self.admin_token = None  # the launcher's, for renew (None: no renew)
         self.skeleton = None  # the root the daemon started in, when it runs in --root
@@ -89,7 +90,10 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
         self.workdir = workdir
         self.default_cap = default_cap
         self.started = time.time()
-        self.env = base_environment()
+        # the sandbox's environment, for the commands it starts (``env``: handed over
+        # by the launcher, not the daemon's own; else the one it was started with)
+        self.env = dict(env) if env is not None else base_environment()
+        self.env.setdefault("PATH", DEFAULT_PATH)
         self.env_list = encode_env(self.env)  # as a spawn takes it (self.env never changes)
         self.path = self.env["PATH"]
         os.environ["PATH"] = self.path  # what posix_spawnp searches
@@ -469,20 +473,29 @@ def read_limits():
 def base_environment():
     """The environment the daemon was started with, read from /proc/self/environ: the
     interpreter may have added variables (locale coercion sets LC_CTYPE) that commands
-    in the sandbox must not inherit. SANDMAN_* variables (the token) are removed."""
+    in the sandbox must not inherit. SANDMAN_* variables (the token) are removed. (A
+    launcher that keeps the sandbox's environment out of the daemon's own hands it
+    over with --env-fd instead: ``decode_environ``.)"""
     try:
         with open("/proc/self/environ", "rb") as fh:
-            raw = fh.read()
-        env = {}
-        for item in raw.split(b"\0"):
-            key, sep, value = item.partition(b"=")
-            if sep:
-                env[os.fsdecode(key)] = os.fsdecode(value)
+            return decode_environ(fh.read())
     except OSError:
         env = dict(os.environ)
     for key in [k for k in env if k.startswith("SANDMAN_")]:
         del env[key]
-    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env
+
+
+def decode_environ(raw):
+    """An environment from NUL-separated ``KEY=VALUE`` entries (/proc/PID/environ's
+    form), SANDMAN_* variables left out, PATH defaulted."""
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key and not key.startswith(b"SANDMAN_"):
+            env[os.fsdecode(key)] = os.fsdecode(value)
+    env.setdefault("PATH", DEFAULT_PATH)
     return env
 
 

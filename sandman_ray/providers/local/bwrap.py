@@ -72,7 +72,7 @@ from sandman_ray.images import PreparedImage
 from sandman_ray.providers.local import renew
 from sandman_ray.providers.local.cgroups import Cgroups
 from sandman_ray.providers.local.chain import (
-    DEFAULT_PATH, Chain, _close, _filter_pipe, _high, pipe_holding)
+    DEFAULT_PATH, Chain, _close, _filter_pipe, _high, memfd_holding, pipe_holding)
 from sandman_ray.providers.network import SandboxNetwork
 from sandman_ray.providers.userns import IdRange
 from sandman_ray.spec import SandboxSpec
@@ -206,6 +206,7 @@ class SandboxProcess(Chain, renew.Renewable):
         filter_r = _filter_pipe(self.spec)
         filter_r = _high(filter_r) if filter_r is not None else None
         token_fd = _high(pipe_holding(self.token.encode()))
+        env_fd = _high(memfd_holding(self._environ()))
         self.admin_token = secrets.token_hex(16)  # the agent's, for renew
         admin_fd = _high(pipe_holding(self.admin_token.encode())) if self.renewable else None
         self.slot, self.renewed = 0, 0  # the first generation, bwrap's
@@ -213,8 +214,8 @@ class SandboxProcess(Chain, renew.Renewable):
         # environment (PATH, LD_PRELOAD ...) may reach it; bwrap hands that to the daemon.
         env = dict(PATH=DEFAULT_PATH)
         net_w = self._network_pipe(env)
-        passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w, admin_fd)
-                  if fd is not None]
+        passed = [fd for fd in (ready_w, listen_fd, filter_r, token_fd, net_w, admin_fd,
+                                env_fd) if fd is not None]
         lower = mounts.pop("lower", None)
         try:
             # the lower layer is the chain's stdin until the overlay is mounted; the
@@ -222,7 +223,8 @@ class SandboxProcess(Chain, renew.Renewable):
             with self._joined() as joined:
                 env.update(self._cgroup_env(joined))
                 self.proc = subprocess.Popen(
-                    self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd), env=env,
+                    self.argv(ready_w, filter_r, token_fd, listen_fd, admin_fd, env_fd),
+                    env=env,
                     stdin=subprocess.DEVNULL if lower is None else lower,
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                     pass_fds=passed + list(mounts.values()), start_new_session=True)

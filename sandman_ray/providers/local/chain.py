@@ -103,6 +103,23 @@ def pipe_holding(data: bytes) -> int:
     return read
 
 
+def memfd_holding(data: bytes, name: str = "sandman-launch") -> int:
+    """A memory file holding ``data`` (any size: a pipe holds 64 KiB until its reader
+    starts), open for reading at its start, sealed against change."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK |
+                    fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _filter_pipe(spec: SandboxSpec) -> Optional[int]:
     """The read end of a pipe holding the seccomp program for ``spec`` (bwrap reads it
     to the end), or None on a CPU the filter is not written for."""
@@ -118,6 +135,12 @@ class Chain:
         env.update(self.image.config.env_dict())
         env.update(self.spec.env)
         return env
+
+    def _environ(self) -> bytes:
+        """The sandbox's environment as the daemon's --env-fd takes it: NUL-separated
+        ``KEY=VALUE`` entries."""
+        return b"".join(("%s=%s" % kv).encode("utf-8", "surrogateescape") + b"\0"
+                        for kv in sorted(self._environment().items()))
 
     def _workdir(self) -> str:
         if self.spec.workdir:
@@ -202,7 +225,7 @@ class Chain:
 
     def argv(self, ready_fd: int, seccomp_fd: Optional[int] = None,
              token_fd: Optional[int] = None, listen_fd: Optional[int] = None,
-             admin_fd: Optional[int] = None) -> List[str]:
+             admin_fd: Optional[int] = None, env_fd: Optional[int] = None) -> List[str]:
         counter = self.cgroups.oom_counter() if self.cgroups else None
         bwrap = ["bwrap"] + self._mounts_args(counter) + [
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -223,13 +246,15 @@ class Chain:
         if seccomp_fd is not None:
             bwrap += ["--seccomp", str(seccomp_fd)]
         workdir = self._workdir()
-        bwrap.append("--clearenv")
-        for key, value in sorted(self._environment().items()):
-            bwrap += ["--setenv", key, value]
+        # The daemon's own environment is PATH alone: the sandbox's (the image's and the
+        # spec's: LD_PRELOAD, GCONV_PATH, MALLOC_* ...) reaches only the commands it
+        # starts, handed over on env_fd like the token, never to the daemon's loader
+        bwrap += ["--clearenv", "--setenv", "PATH", DEFAULT_PATH]
         # a renewable sandbox's daemon starts in the skeleton and moves into its slot
         bwrap += ["--chdir", "/" if self.renewable else workdir] + daemon_argv() + [
             "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
+            "--env-fd", str(env_fd),
             "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))]
         if self.renewable:
             bwrap += ["--root", renew.SLOTS[0], "--admin-token-fd", str(admin_fd)]

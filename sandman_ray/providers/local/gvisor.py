@@ -6,15 +6,18 @@ user-space kernel (Debian's ``runsc``) between the sandbox and the host's::
     /bin/sh -c LAUNCH                           join the sandbox's cgroups
       runsc --root STATE/runsc --network=none --host-uds=all --overlay2=root:memory
             --ignore-cgroups --platform=ptrace run --bundle STATE/oci ID
-        /.sandman/bin/sandmand --listen unix:/run/sandman/sock --token-fd 0 --ready-fd 1
+        /.sandman/bin/sandmand --listen unix:/run/sandman/sock --token-fd 0 --env-fd 0
+                               --ready-fd 1
 
 The OCI bundle names the image's rootfs (read-only on the host: writes go to an
 overlay in the sandbox's memory, counted against its memory limit), the daemon bundle
 read-only at ``/.sandman`` and the run directory at ``/run/sandman``, where the daemon's
 socket is a host socket (``--host-uds``). That directory is a 1 MiB tmpfs mounted in
 the chain's private mount namespace, so nothing inside can fill the host's disk
-through it; the host reaches the socket through ``/proc/<chain>/root``. The token reaches the daemon on its stdin and
-its address comes back on its stdout: gVisor passes no other descriptor. Commands run
+through it; the host reaches the socket through ``/proc/<chain>/root``. The token
+reaches the daemon on its stdin, the sandbox's environment after it (the daemon's own
+is PATH alone), and its address comes back on its stdout: gVisor passes no other
+descriptor. Commands run
 in the sandbox's daemon, not through ``runsc exec`` per command.
 
 With ``network=True`` the chain starts in a network namespace of its own, which the
@@ -43,7 +46,7 @@ from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
 from sandman_ray.errors import ProviderError
 from sandman_ray.providers.local.bwrap import SandboxProcess
 from sandman_ray.providers.local.chain import (
-    DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, _close, capabilities, pipe_holding)
+    DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, _close, capabilities, memfd_holding)
 from sandman_ray.providers.network import RESOLV_CONF
 from sandman_ray.providers.syscalls import oci_seccomp
 
@@ -85,16 +88,16 @@ class GvisorProcess(SandboxProcess):
         uid, _, gid = (user or "0:0").partition(":")
         caps = ["CAP_" + cap for cap in capabilities(self.spec)]
         workdir = self._workdir()
-        env = self._environment()
         return {
             "ociVersion": "1.0.0",
             "process": {
                 "terminal": False, "user": {"uid": int(uid), "gid": int(gid or uid)},
                 "args": daemon_argv() + [
                     "--listen", "unix:%s/sock" % SOCKET_DIR, "--workdir", workdir,
-                    "--token-fd", "0", "--ready-fd", "1",
+                    "--token-fd", "0", "--env-fd", "0", "--ready-fd", "1",
                     "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))],
-                "env": ["%s=%s" % kv for kv in sorted(env.items())],
+                # the daemon's own: the sandbox's follows the token on its stdin
+                "env": ["PATH=" + DEFAULT_PATH],
                 "cwd": workdir, "noNewPrivileges": True,
                 "capabilities": {k: caps for k in ("bounding", "effective", "permitted")}},
             "root": {"path": str(self.image.rootfs), "readonly": False},
@@ -139,7 +142,8 @@ class GvisorProcess(SandboxProcess):
         (self.state_dir / "oci").mkdir(parents=True, exist_ok=True)
         (self.state_dir / "oci" / "config.json").write_text(json.dumps(self._config()))
         self.token = secrets.token_hex(16)  # a new credential for every start
-        token_r = pipe_holding(self.token.encode())
+        # the token, then the sandbox's environment (for its commands, not the daemon)
+        token_r = memfd_holding(self.token.encode() + b"\n" + self._environ())
         ready_r, ready_w = os.pipe()
         env = dict(PATH=DEFAULT_PATH)
         if self.spec.network:

@@ -146,7 +146,8 @@ class SandboxSpec:
     labels: free-form key/value pairs attached to the sandbox (listing, ownership).
     capabilities: kernel features the sandbox may use that every sandbox is refused
         otherwise, by name: ``"NET_RAW"`` (raw IP and packet sockets; the network
-        filter still holds) and ``"IO_URING"`` (providers/syscalls.py has the policy).
+        filter still holds), ``"IO_URING"`` and ``"AIO"`` (native AIO, whose contexts
+        the whole node shares) (providers/syscalls.py has the policy).
     ptys: most pseudo-terminals the sandbox may hold at once (its own devpts): the
         host's are shared by every sandbox of the node.
     """

@@ -57,7 +57,7 @@ def test_a_spec_lifts_a_refusal_only_by_naming_its_capability(provider):
     assert [lifted[c].split()[0] for c in checks] == ["reached"] * 3 + ["refused"] * 3
     assert all(v.startswith("refused") for v in default.values()), default
     assert int(status.split()[1], 16) >> 13 & 1  # CAP_NET_RAW
-    with pytest.raises(ValueError, match="'SYS_ADMIN' is not one of IO_URING, NET_RAW"):
+    with pytest.raises(ValueError, match="'SYS_ADMIN' is not one of AIO, IO_URING, NET_RAW"):
         SandboxSpec(capabilities=["SYS_ADMIN"])
 
 
@@ -78,6 +78,9 @@ def test_the_engines_profile_keeps_its_allowlist_and_adds_the_refusals():
         if rule["action"] == "SCMP_ACT_ALLOW":
             assert not refused & set(rule["names"]), rule
     assert profile["defaultAction"] == base["defaultAction"]
-    lifted = syscalls.docker_profile(base, frozenset({"IO_URING"}))
-    actions = {r["action"] for r in lifted["syscalls"] if "io_uring_setup" in r["names"]}
-    assert actions == {"SCMP_ACT_ALLOW"}
+    for capability, call in (("IO_URING", "io_uring_setup"), ("AIO", "io_setup")):
+        lifted = syscalls.docker_profile(base, frozenset({capability}))
+        actions = {r["action"] for r in lifted["syscalls"] if call in r["names"]}
+        assert actions == {"SCMP_ACT_ALLOW"}
+        refused = {r["action"] for r in profile["syscalls"] if call in r["names"]}
+        assert refused == {"SCMP_ACT_ERRNO"}

@@ -10,12 +10,15 @@ The refusals close the kernel surface that container engines' default profiles c
 that task images do not use, and that public container escapes start from: io_uring,
 packet and raw sockets, exotic socket families, eBPF, perf events, userfaultfd, module
 loading, kexec, file handles (the "shocker" escape), the keyring, the mount API,
-namespaces, and a few obsolete calls. A spec may lift a refusal only by naming the
+namespaces, a few obsolete calls; and what reaches a table of the whole node that no
+limit holds per sandbox (native AIO's contexts) or the page cache sandboxes of one image
+share (mincore, cachestat). A spec may lift a refusal only by naming the
 capability it needs (``SandboxSpec.capabilities``); nothing else lifts them.
 
 Refused calls fail with the errno a kernel without the feature, or a process without
 the privilege, would see, so that programs fall back as they would there: ENOSYS for
-io_uring and obsolete calls (libuv and liburing then use their thread pools), EPERM for
+io_uring, native AIO, page cache residency and obsolete calls (libuv and liburing then
+use their thread pools, libaio's users theirs), EPERM for
 privileged calls, EAFNOSUPPORT for a refused socket family, EPROTONOSUPPORT for a
 refused protocol.
 """
@@ -36,6 +39,9 @@ CAPABILITIES = {
     "NET_RAW": "raw IP and packet sockets (ping without ICMP sockets, tcpdump); keeps "
                "CAP_NET_RAW; the network filter still holds on the sandbox's interface",
     "IO_URING": "io_uring_setup, io_uring_enter and io_uring_register",
+    "AIO": "Linux native AIO (io_setup, io_submit, io_getevents and the rest): its "
+           "contexts come from the node's fs.aio-max-nr, which no limit holds per "
+           "sandbox, so one sandbox that asks for it can take them all",
 }
 
 
@@ -63,6 +69,30 @@ REFUSALS: Tuple[Refusal, ...] = (
             "a second system call interface, source of a long run of kernel escapes; "
             "refused by Docker's default profile and Podman's, absent from gVisor's",
             errno.ENOSYS, unless="IO_URING"),
+    # One io_setup(65536) in a sandbox took the node's whole fs.aio-max-nr (65536 here):
+    # every other sandbox's and host root's io_setup(1) then got EAGAIN. ENOSYS is a
+    # kernel built without AIO (CONFIG_AIO=n): glibc's POSIX aio (aio_read) never calls
+    # these (it runs threads), libaio hands io_setup's -ENOSYS to its caller, and
+    # InnoDB then simulates AIO with threads as on such a kernel (a program without a
+    # fallback says AIO is missing); CPython calls none.
+    Refusal("native AIO", {"io_setup": 206, "io_destroy": 207, "io_getevents": 208,
+                           "io_submit": 209, "io_cancel": 210, "io_pgetevents": 333},
+            "its contexts are one table of the whole node (fs.aio-max-nr) that no limit "
+            "holds per sandbox: one io_setup of 65536 events left every other sandbox and "
+            "the host none",
+            errno.ENOSYS, unless="AIO"),
+    # With the image's files idmapped to each sandbox's range, every sandbox owns them,
+    # and the kernel then answers mincore and cachestat for their shared page cache:
+    # which pages of the image a neighbour read. ENOSYS is a kernel without them
+    # (cachestat came in 6.5; mincore is absent without an MMU), which a program that
+    # probes with them (vmtouch, fincore, a database warming its cache) reports and
+    # works on without; glibc only wraps mincore and CPython calls neither (Debian 12's
+    # libc.so.6 and python3.11 import no mincore).
+    Refusal("page cache residency", {"mincore": 27, "cachestat": 451},
+            "the image's page cache is shared by every sandbox of the image, whose "
+            "files each sandbox owns through its idmapped mount: residency shows which "
+            "pages a neighbour read",
+            errno.ENOSYS),
     Refusal("eBPF", {"bpf": 321},
             "programs loaded into the kernel: verifier bugs are escapes"),
     Refusal("perf events", {"perf_event_open": 298},
@@ -111,7 +141,7 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("pipes into memory", {"vmsplice": 278},
             "maps pipe pages into memory (refused by Podman's profile)"),
     Refusal("obsolete", {"lookup_dcookie": 212, "nfsservctl": 180, "uselib": 134,
-                         "ustat": 136, "sysfs": 139, "_sysctl": 156, "io_pgetevents": 333},
+                         "ustat": 136, "sysfs": 139, "_sysctl": 156},
             "calls no task image needs, some removed from the kernel", errno.ENOSYS),
 )
 

@@ -169,6 +169,44 @@ def test_no_process_attribute_of_the_daemon_carries_to_the_next_tenant(provider,
         assert client.exec(["/bin/sh", "-c", look]).stdout.split()[-1:] == first[-1:]
 
 
+# sched_setattr (314) and sched_getattr (315) on x86_64, with struct sched_attr: size,
+# policy, flags, nice, priority, runtime, deadline, period, util_min, util_max
+SCHED = r"""
+import ctypes, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+ATTR = struct.Struct("<IIQiIQQQII")
+def get(pid):
+    buf = ctypes.create_string_buffer(ATTR.size)
+    assert libc.syscall(315, pid, buf, ATTR.size, 0) == 0, ctypes.get_errno()
+    return list(ATTR.unpack(buf.raw))
+if sys.argv[1] == "set":  # PID 1 as it is (a fair task), with a time slice of its own
+    attr = get(1)
+    attr[5] = 57000000
+    assert libc.syscall(314, 1, ctypes.create_string_buffer(ATTR.pack(*attr)), 0) == 0, \
+        ctypes.get_errno()
+print(*get(0))
+"""
+
+
+def test_a_scheduler_slice_set_on_the_daemon_is_not_carried_to_the_next_tenant(provider):
+    """sched_setattr gives a fair task a time slice of its own (EEVDF keeps it in
+    sched_runtime) without any capability: tenant A sets 57 ms on PID 1, and A's later
+    commands inherit it; tenant B's, after a reset, must not (the daemon compares each
+    thread's whole sched_getattr struct, and the sandbox starts afresh). Before, the
+    renew compared nice, policy and priority only, and B's commands ran with A's
+    slice. Renewing in place is the default LocalProvider sandbox's alone (a rootfs
+    image, no network, its own range): the other levels start afresh at every reset."""
+    look = ["python3", "-c", SCHED, "look"]
+    with Sandbox(provider, DEFAULT_IMAGE) as sb:
+        first = sb.client.exec(look).stdout.split()
+        assert first[5] != b"57000000", first
+        done = sb.client.exec(["python3", "-c", SCHED, "set"])
+        assert done.exit_code == 0, done.stderr
+        assert sb.client.exec(look).stdout.split()[5] == b"57000000"  # it took
+        client = _started_afresh(sb)
+        assert client.exec(look).stdout.split() == first
+
+
 def test_archives_look_up_no_owner_names_in_the_tenants_files(provider):
     """A user or group lookup in the daemon would load the NSS modules the sandbox's
     own /etc/nsswitch.conf names, from its own files, into the process that outlives

@@ -4,9 +4,11 @@ bounding set.
 The daemon outlives its tenants (a renew keeps it: providers/local/renew.py), and every
 process it starts inherits its attributes. Root inside the sandbox has the daemon's uid,
 so it may change some of them from outside the daemon: its CPU affinity, nice value,
-scheduling policy and priority, I/O priority, OOM score, the nice value of its
-autogroup, its resource limits (``taskset``, ``renice``, ``chrt``, ``ionice``,
-``prlimit``, writes to ``/proc/1/...``). ``settings`` reads all of those and what only
+scheduling policy and priority, the rest of its scheduling attributes (``sched_setattr``:
+a fair task's own time slice, which EEVDF keeps in ``sched_runtime`` and which needs no
+capability, a deadline task's runtime, deadline and period, utilization clamps), I/O
+priority, OOM score, the nice value of its autogroup, its resource limits
+(``taskset``, ``renice``, ``chrt``, ``ionice``, ``prlimit``, writes to ``/proc/1/...``). ``settings`` reads all of those and what only
 the daemon itself could change (umask, personality, timer slack, cgroup, securebits,
 capabilities), for every thread; a renew compares them with what the daemon started
 with, and any change starts the sandbox afresh.
@@ -15,17 +17,23 @@ with, and any change starts the sandbox afresh.
 start: a capability the daemon does not hold cannot come back at an exec (bubblewrap
 leaves the bounding set full in a user namespace).
 
-Calls the standard library does not wrap (prctl, ioprio_get) go through ``_ctypes``'s
+Calls the standard library does not wrap (prctl, ioprio_get, sched_getattr) go through
+``_ctypes``'s
 bare function call, without the ctypes package (0.3 ms to import instead of ~3 ms);
 where ``_ctypes`` is missing they are skipped, and the rest still holds.
 """
 
 import os
+import struct
 
 PR_CAPBSET_READ, PR_CAPBSET_DROP = 23, 24
 PR_GET_SECUREBITS = 27
 SYS_IOPRIO_GET = 252  # x86_64
 IOPRIO_WHO_PROCESS = 1
+SYS_SCHED_GETATTR = 315  # x86_64
+# struct sched_attr (linux/sched/types.h, 56 bytes since 4.18): size, policy, flags,
+# nice, priority, runtime, deadline, period, util_min, util_max
+SCHED_ATTR = struct.Struct("<IIQiIQQQII")
 # /proc/self files whose whole text is a setting (absent ones are skipped)
 PROCESS_FILES = ("oom_score_adj", "autogroup", "cgroup", "personality", "limits",
                  "loginuid", "coredump_filter")
@@ -44,6 +52,34 @@ def _libc():
 
 
 _call = _libc()
+
+
+_buffers = []  # the array type of _sched_attr_buffer, made once
+
+
+def _sched_attr_buffer():
+    """A new zeroed buffer of SCHED_ATTR's size that ``_call`` passes as a pointer: an
+    array type made from ``_ctypes`` as the ctypes package makes its own."""
+    if not _buffers:
+        import _ctypes
+
+        class Byte(_ctypes._SimpleCData):
+            _type_ = "B"
+
+        class Attr(_ctypes.Array):
+            _type_ = Byte
+            _length_ = SCHED_ATTR.size
+        _buffers.append(Attr)
+    return _buffers[0]()
+
+
+def _sched_attr(tid):
+    """The thread's whole ``sched_getattr`` struct as a tuple, or None where the kernel
+    has no such call (before 3.14)."""
+    buf = _sched_attr_buffer()
+    if _call("syscall", SYS_SCHED_GETATTR, tid, buf, SCHED_ATTR.size, 0) != 0:
+        return None
+    return SCHED_ATTR.unpack(bytes(buf))
 
 
 def drop_bounding_set():
@@ -119,6 +155,7 @@ def _thread(tid):
     seen.update((name, _read(base + name)) for name in THREAD_FILES)
     if _call is not None:
         seen["ioprio"] = _call("syscall", SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS, tid)
+        seen["sched_attr"] = _sched_attr(tid)
     return seen
 
 

@@ -71,6 +71,16 @@ def _networks(allow) -> Tuple[str, ...]:
 # The most pseudo-terminals a spec may ask for: the host's kernel.pty.max is 4096 by
 # default, and every sandbox of the node shares it.
 MAX_PTYS = 1024
+# Open files per process (the hard RLIMIT_NOFILE; the soft one starts at 1024 or below,
+# for programs that select()): the kernel's own hard limit for a process nobody
+# configured (INR_OPEN_MAX). Every LocalProvider sandbox gets a spec's ``nofile`` or
+# this; with its pids, it is what a sandbox may hold of the node's fs.file-max
+# (providers/local/host_tables.py checks the pool's worst case against it).
+DEFAULT_NOFILE = 4096
+MAX_NOFILE = 1 << 20  # the kernel's default fs.nr_open: no process may hold more
+# The soft limit a sandbox starts with, under its hard one: descriptors above 1024
+# break programs that select() (FD_SETSIZE); one that needs more raises its own.
+NOFILE_SOFT = 1024
 
 # Images the LocalProvider builds itself from Debian's packages, on first use on each
 # node, and caches (sandman_ray.image_builders): ``builtin:debian`` is Debian 12 minbase
@@ -150,6 +160,10 @@ class SandboxSpec:
         the whole node shares) (providers/syscalls.py has the policy).
     ptys: most pseudo-terminals the sandbox may hold at once (its own devpts): the
         host's are shared by every sandbox of the node.
+    nofile: most open files per process (its hard RLIMIT_NOFILE, at most 2**20; None:
+        the pool's ``default_nofile``, else 4096). Times ``pids``, what the sandbox may
+        hold of the node's open-file table. The LocalProvider's; a container's are its
+        engine's default ulimits.
     """
 
     image: str = DEFAULT_IMAGE
@@ -167,6 +181,7 @@ class SandboxSpec:
     labels: Dict[str, str] = field(default_factory=dict)
     capabilities: Tuple[str, ...] = ()
     ptys: int = 64
+    nofile: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.image, str) or not self.image.strip():
@@ -211,6 +226,10 @@ class SandboxSpec:
                 not 1 <= self.ptys <= MAX_PTYS:
             raise ValueError("SandboxSpec.ptys must be an int from 1 to %d, got %r"
                              % (MAX_PTYS, self.ptys))
+        if self.nofile is not None and (isinstance(self.nofile, bool) or not isinstance(
+                self.nofile, int) or not 1 <= self.nofile <= MAX_NOFILE):
+            raise ValueError("SandboxSpec.nofile must be an int from 1 to %d, got %r"
+                             % (MAX_NOFILE, self.nofile))
 
     @classmethod
     def of(cls, spec: Union["SandboxSpec", str]) -> "SandboxSpec":
@@ -268,7 +287,14 @@ class SandboxSpec:
         """What makes two sandboxes interchangeable (warm pools are kept per key)."""
         return (self.image, self.cpu, self.memory, self.pids, self.disk,
                 tuple(sorted(self.env.items())), self.workdir, self.network,
-                self.network_allow, self.user, self.capabilities, self.ptys)
+                self.network_allow, self.user, self.capabilities, self.ptys, self.nofile)
+
+
+def nofile_limits(spec: SandboxSpec) -> Tuple[int, int]:
+    """The soft and hard RLIMIT_NOFILE of ``spec``'s sandbox (the LocalProvider's, under
+    bubblewrap and gVisor)."""
+    nofile = spec.nofile or DEFAULT_NOFILE
+    return min(NOFILE_SOFT, nofile), nofile
 
 
 # A pool's pacing of creates, unless its config or its provider (``Provider.pacing``)
@@ -302,6 +328,12 @@ class PoolConfig:
         sets none (None: no limit). No sandbox can fork-bomb the node, eat its memory
         or fill its disk (Ray's logs and object spilling live there) unless its pool
         says so.
+    default_nofile: open files per process of every sandbox whose spec sets none.
+        ``max_sandboxes`` x ``default_pids`` x ``default_nofile`` is the most open files
+        the pool's sandboxes may hold on a node, and ``max_sandboxes`` x
+        ``default_pids`` their processes: a LocalProvider agent raises the node's
+        fs.file-max, kernel.pid_max and kernel.threads-max to hold them beside the
+        host's own, or refuses to start (providers/local/host_tables.py).
     pause_between_steps: the integrations (verl tool, SkyRL env, mini-swe-agent
         environment) pause a trajectory's sandbox after each step and resume it at
         the next (``SandboxHandle.pause``): no CPU while the model thinks.
@@ -323,6 +355,7 @@ class PoolConfig:
     default_pids: Optional[int] = 4096
     default_memory: Optional[Union[int, str]] = "4Gi"
     default_disk: Optional[Union[int, str]] = "4Gi"
+    default_nofile: int = DEFAULT_NOFILE
     pause_between_steps: bool = False
 
     def __post_init__(self):
@@ -345,6 +378,10 @@ class PoolConfig:
             positive(name, optional=True)
         positive("client_quota", integer=True, optional=True)
         positive("default_pids", integer=True, optional=True)
+        positive("default_nofile", integer=True)
+        if self.default_nofile > MAX_NOFILE:
+            raise ValueError("PoolConfig.default_nofile must be at most %d, got %r"
+                             % (MAX_NOFILE, self.default_nofile))
         self.default_memory = parse_bytes(self.default_memory, "PoolConfig.default_memory")
         self.default_disk = parse_bytes(self.default_disk, "PoolConfig.default_disk")
         if self.idle_timeout_s is not None and self.idle_timeout_s < MIN_IDLE_TIMEOUT_S:
@@ -370,6 +407,6 @@ class PoolConfig:
         """``spec`` with this pool's default limits where it sets none: what the pool
         creates, and the key its warm sets and waiters are matched by."""
         wanted = {"pids": self.default_pids, "memory": self.default_memory,
-                  "disk": self.default_disk}
+                  "disk": self.default_disk, "nofile": self.default_nofile}
         missing = {k: v for k, v in wanted.items() if getattr(spec, k) is None and v is not None}
         return dataclasses.replace(spec, **missing) if missing else spec

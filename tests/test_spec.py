@@ -16,6 +16,8 @@ from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name, parse_byt
     ({"workdir": "tmp"}, "workdir must be absolute"),
     ({"user": "root"}, "user must be 'uid' or 'uid:gid'"),
     ({"ttl_s": -1}, "ttl_s must be positive"),
+    ({"nofile": 0}, "nofile must be an int from 1 to 1048576"),
+    ({"nofile": True}, "nofile must be an int"),
 ])
 def test_sandbox_spec_names_the_bad_field(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -38,6 +40,8 @@ def test_sizes_and_equality():
     ({"warm": {"host": 300}}, "more than max_sandboxes"),
     ({"client_quota": 1.5}, "client_quota must be a positive int"),
     ({"idle_timeout_s": 1}, "idle_timeout_s must be at least 5 s"),
+    ({"default_nofile": 0}, "default_nofile must be a positive int"),
+    ({"default_nofile": 2 ** 21}, "default_nofile must be at most 1048576"),
 ])
 def test_pool_config_names_the_bad_field(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -46,13 +50,14 @@ def test_pool_config_names_the_bad_field(kwargs, words):
 
 def test_pool_config_turns_image_strings_into_specs():
     assert PoolConfig(warm={"host": 2}).warm == {
-        SandboxSpec(image="host", pids=4096, memory="4Gi", disk="4Gi"): 2}
+        SandboxSpec(image="host", pids=4096, memory="4Gi", disk="4Gi", nofile=4096): 2}
 
 
 def test_pool_defaults_fill_only_the_limits_a_spec_leaves_open():
     config = PoolConfig(default_pids=100, default_memory="1Gi", default_disk=None)
     spec = config.limited(SandboxSpec(image="host", pids=7))
-    assert (spec.pids, spec.memory, spec.disk) == (7, 2 ** 30, None)
+    assert (spec.pids, spec.memory, spec.disk, spec.nofile) == (7, 2 ** 30, None, 4096)
+    assert PoolConfig(default_nofile=64).limited(SandboxSpec(nofile=9)).nofile == 9
     with pytest.raises(ValueError, match="default_memory"):
         PoolConfig(default_memory="lots")
 

@@ -32,7 +32,7 @@ class PoolActor:
         if not isinstance(config.provider, Provider):
             raise TypeError("pool %s: PoolConfig.provider must be a Provider, got %r"
                             % (name, config.provider))
-        config.provider.bind(name)
+        config.provider.bind(name, config)
         self.name = name
         self.pool: Optional[Reconciler] = None
         self.config = config

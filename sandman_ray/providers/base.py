@@ -133,10 +133,15 @@ class Provider(abc.ABC):
     pacing = DEFAULT_PACING
     #: the pool whose sandboxes these are (set by ``bind``)
     pool: str = "default"
+    #: that pool's config (set by ``bind``; None for a provider used without a pool),
+    #: for a provider that checks its nodes against the pool's limits
+    pool_config = None
 
-    def bind(self, pool: str) -> "Provider":
-        """Name the pool whose sandboxes this provider runs (before any other call)."""
+    def bind(self, pool: str, config=None) -> "Provider":
+        """Name the pool whose sandboxes this provider runs, and give its PoolConfig
+        (before any other call)."""
         self.pool = check_pool_name(pool)
+        self.pool_config = config
         return self
 
     @abc.abstractmethod

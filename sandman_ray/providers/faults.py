@@ -28,9 +28,9 @@ class FaultyProvider(Provider):
         self.injected: Dict[str, int] = {"throttled": 0, "transient": 0}
         self.supports_reset = inner.supports_reset
 
-    def bind(self, pool: str) -> "FaultyProvider":
-        super().bind(pool)
-        self.inner.bind(pool)
+    def bind(self, pool: str, config=None) -> "FaultyProvider":
+        super().bind(pool, config)
+        self.inner.bind(pool, config)
         return self
 
     async def create(self, sandbox_id: str, spec: SandboxSpec,

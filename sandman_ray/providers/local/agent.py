@@ -44,13 +44,17 @@ class NodeAgent:
     def __init__(self, pool: str, node_id: str, state_root: str, cache_root: str,
                  prefer_tools: bool = True, ready_timeout_s: float = 30.0,
                  user_namespaces: bool = True, isolation: str = "namespaces",
-                 snapshot_root: Optional[str] = None, snapshot_bytes: Optional[int] = None):
+                 snapshot_root: Optional[str] = None, snapshot_bytes: Optional[int] = None,
+                 table_needs=None):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         from sandman_ray.providers.local.bwrap import secure_root, view_root
         from sandman_ray.providers.userns import Ranges, supported
         self.pool, self.node_id, self.ready_timeout_s = pool, node_id, ready_timeout_s
         self.isolation = isolation
+        # the node's pid, task and open-file tables hold the pool's worst case, or no agent
+        from sandman_ray.providers.local.host_tables import PoolNeeds, hold
+        hold(table_needs or PoolNeeds.of(None), pool)
         self.state_root = secure_root(Path(state_root))
         self.view_root = view_root(self.state_root)
         self.routes = node_routes()  # the node's gateways and on-link subnets

@@ -49,6 +49,7 @@ from sandman_ray.providers.local.chain import (
     DEFAULT_PATH, JOIN_CGROUPS, SOCKET_DIR, _close, capabilities, memfd_holding)
 from sandman_ray.providers.network import RESOLV_CONF
 from sandman_ray.providers.syscalls import oci_seccomp
+from sandman_ray.spec import nofile_limits
 
 # In its private mount namespace the launch puts a small tmpfs on the run directory,
 # the one directory the sandbox writes on the host's side (arguments: run dir, uid:gid).
@@ -99,6 +100,9 @@ class GvisorProcess(SandboxProcess):
                 # the daemon's own: the sandbox's follows the token on its stdin
                 "env": ["PATH=" + DEFAULT_PATH],
                 "cwd": workdir, "noNewPrivileges": True,
+                # open files per process in gVisor's kernel, as under bubblewrap
+                "rlimits": [dict(zip(("type", "soft", "hard"),
+                                     ("RLIMIT_NOFILE",) + nofile_limits(self.spec)))],
                 "capabilities": {k: caps for k in ("bounding", "effective", "permitted")}},
             "root": {"path": str(self.image.rootfs), "readonly": False},
             "hostname": self.hostname,

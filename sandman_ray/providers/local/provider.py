@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from sandman_ray.providers.local.agent import NodeAgent, agent_groups
+from sandman_ray.providers.local.host_tables import PoolNeeds
 from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, agent_name
 
 __all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
@@ -105,4 +106,4 @@ class LocalProvider(NodeAgentProvider):
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
                 self.ready_timeout_s, self.user_namespaces, self.isolation,
-                self.snapshot_root, self.snapshot_bytes)
+                self.snapshot_root, self.snapshot_bytes, PoolNeeds.of(self.pool_config))

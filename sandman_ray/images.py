@@ -2,55 +2,81 @@
 
 Image strings:
     host                        a read-only view of this machine
-    dir:/path                   a rootfs directory, used in place
+    dir:/path                   a rootfs directory, used in place: only below a directory
+                                the provider trusts (``ImageCache.image_roots``)
     oci:/layout[:tag]           an OCI image layout (tag default: the only one, or latest)
     docker-archive:/image.tar   ``docker save`` / ``podman save`` output
     REGISTRY/NAME[:TAG|@DIGEST] pulled with skopeo (e.g. docker.io/library/python:3.12)
 
-Unpacked images live in ``<cache>/<digest>/rootfs`` keyed by the manifest (or config)
-digest, built once even when many sandboxes ask at the same moment (a file lock per
-digest, then an atomic rename). umoci unpacks OCI layouts and skopeo converts archives
-and pulls when they are installed; otherwise a built-in layer applier does it, with
-whiteouts and every path resolved inside the rootfs. ``PreparedImage.unpacked_by``
-says which path was taken.
+Unpacked images live in ``<cache>/<digest>/rootfs`` keyed by the digest of the
+manifest (or, for an archive, the config) as read and checked (``image_layouts``: a
+layout or archive whose bytes are not the ones its digests name is refused), built
+once even when many sandboxes ask at the same moment (a file lock per digest, then an
+atomic rename). umoci unpacks a private layout of the checked blobs when it is
+installed, skopeo pulls; otherwise the built-in layer applier (``image_layers``) does
+it, with whiteouts and every path resolved inside the rootfs. ``PreparedImage.
+unpacked_by`` says which path was taken. The image's config is checked when it is
+prepared, and its user resolved then, through reads that never leave the image
+(``image_files``); the result is kept in the entry's ``meta.json``.
 """
 
-import copy
 import fcntl
-import gzip
 import hashlib
-import io
 import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
-import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from sandman_ray.image_builders import MOUNT_POINTS, build_builtin, builtin_key
+from sandman_ray.image_files import resolve_user
+from sandman_ray.image_layers import ImageLimits, safe_join
+from sandman_ray.image_layouts import Verified, read_docker_archive, read_oci
 from sandman_ray.providers.base import fatal, transient
 from sandman_ray.spec import parse_image as parse
 
 logger = logging.getLogger(__name__)
+# What an entry's meta.json says once it was built from checked bytes (image_layouts)
+CHECKED = 1
 
 
 
 @dataclass(frozen=True)
 class ImageConfig:
     """The parts of an image's config a sandbox honours: ``env`` ("K=V" strings),
-    ``workdir`` and ``user``."""
+    ``workdir`` and ``user`` (as the image names it; ``PreparedImage.run_as`` is its
+    resolved ids)."""
 
     env: Tuple[str, ...] = ()
     workdir: str = ""
     user: str = ""
 
     @classmethod
-    def from_oci(cls, config: dict) -> "ImageConfig":
+    def from_oci(cls, config: dict, image: str = "") -> "ImageConfig":
+        """The config's ``config`` part, checked: ``Env`` a list of ``K=V`` strings
+        (a name before the ``=``), ``User`` and ``WorkingDir`` strings, none with a
+        NUL; anything else is a fatal error naming the field."""
         c = config.get("config") or config.get("Config") or {}
-        return cls(tuple(c.get("Env") or ()), c.get("WorkingDir") or "", c.get("User") or "")
+        if not isinstance(c, dict):
+            raise fatal("image %r: its config's config is not an object: refused" % image)
+        env = c.get("Env") or []
+        if not isinstance(env, list):
+            raise fatal("image %r: its config's Env is not a list: refused" % image)
+        for index, item in enumerate(env):
+            if not isinstance(item, str) or "\0" in item or not item.partition("=")[0] \
+                    or "=" not in item:
+                raise fatal("image %r: its config's Env[%d] (%r) is not a NAME=value string "
+                            "without NUL: refused" % (image, index, item))
+        for key in ("User", "WorkingDir"):
+            value = c.get(key) or ""
+            if not isinstance(value, str) or "\0" in value:
+                raise fatal("image %r: its config's %s (%r) is not a string without NUL: "
+                            "refused" % (image, key, value))
+        return cls(tuple(env), c.get("WorkingDir") or "", c.get("User") or "")
 
     def env_dict(self) -> Dict[str, str]:
         return dict(item.split("=", 1) for item in self.env if "=" in item)
@@ -59,7 +85,7 @@ class ImageConfig:
 @dataclass(frozen=True)
 class PreparedImage:
     """An image ready for sandboxes. ``rootfs`` is None for ``host``; ``digest`` names
-    the content; ``unpacked_by`` is ``umoci``, ``skopeo+umoci``, ``sandman`` (the
+    the content; ``unpacked_by`` is ``umoci``, ``sandman`` (the
     built-in applier), ``in place`` or ``snapshot``. ``layers``: read-only layers that
     stack over ``rootfs``, the upper-most first (a snapshot's, providers/local/
     snapshots.py); a sandbox's overlay has them all below its writable layer."""
@@ -70,19 +96,100 @@ class PreparedImage:
     digest: str = ""
     unpacked_by: str = "in place"
     layers: Tuple[Path, ...] = ()
+    # config.user as ``uid:gid``, resolved when the image was prepared ("": root)
+    run_as: str = ""
+
+
+# Never trusted as a root of ``dir:`` images (``check_image_root``): the host's root and
+# these directories, nor any directory that holds one of them: each holds the host's
+# secrets, its kernel's interfaces or the programs its root runs, and a sandbox over it
+# (idmapped: its root files become the sandbox root's) would own them.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64",
+               "/libx32", "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv",
+               "/sys", "/tmp", "/usr", "/var", "/var/tmp")
+# ... nor anything below these: kernel interfaces, secrets, runtime state (no image
+# lives there, and what does can change under a sandbox: /dev/shm is everyone's)
+NEVER_BELOW = ("/boot", "/dev", "/etc", "/proc", "/root", "/run", "/sys", "/var/run")
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_image_root(root: str, reserved: Iterable[str] = ()) -> str:
+    """``root`` (resolved) if it may be trusted for ``dir:`` images; ValueError naming
+    the rule otherwise. ``reserved``: the provider's state, cache and snapshot roots,
+    which hold other sandboxes' layers and the cache's entries (refused too, and
+    anything inside or around them)."""
+    if not isinstance(root, str) or not root.startswith("/"):
+        raise ValueError("image_roots: %r is not an absolute path" % (root,))
+    try:
+        real = os.path.realpath(root)
+    except OSError as exc:
+        raise ValueError("image_roots: %s cannot be resolved (%s): refused"
+                         % (root, exc.strerror)) from exc
+    for path in (os.path.abspath(root), real):  # as named, and where its links lead
+        for system in ("/",) + SYSTEM_DIRS:
+            if _inside(system, path):
+                raise ValueError("image_roots: %s (%s) is or holds the host's %s: refused"
+                                 % (root, path, system))
+        for system in NEVER_BELOW:
+            if _inside(path, system):
+                raise ValueError("image_roots: %s (%s) is below the host's %s: refused"
+                                 % (root, path, system))
+    for other in reserved:
+        other = os.path.realpath(str(other))
+        if _inside(real, other) or _inside(other, real):
+            raise ValueError("image_roots: %s (%s) is or holds the provider's own %s (its "
+                             "state, cache or snapshots): refused" % (root, real, other))
+    return real
+
+
+def _unchangeable(root: str) -> Optional[str]:
+    """Why ``root`` (resolved) could be changed by a user other than root and the
+    agent's, so that an image below it could become any host path; None if it cannot."""
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        return "%s: %s" % (root, exc.strerror)
+    if not stat.S_ISDIR(st.st_mode):
+        return "%s is not a directory" % root
+    for path in [root] + [str(p) for p in Path(root).parents]:
+        st = os.stat(path)
+        if st.st_uid not in (0, os.geteuid()) or (
+                st.st_mode & 0o022 and not (path != root and st.st_mode & stat.S_ISVTX)):
+            return "%s may be changed by another user (uid %d, mode %o)" \
+                % (path, st.st_uid, stat.S_IMODE(st.st_mode))
+    return None
 
 
 class ImageCache:
-    """Unpacked images under ``root``; one per digest, shared by every sandbox."""
+    """Unpacked images under ``root``; one per digest, shared by every sandbox.
+
+    image_roots: the directories whose subdirectories may be ``dir:`` images (used in
+        place, their root-owned files becoming the sandbox root's). A ``dir:`` image
+        below none of them is refused (a fatal ProviderError naming the image and
+        ``image_roots``) rather than shown like ``host`` (owners unmapped, only what
+        any user may read): a path into the host has no business being an image,
+        and a refusal cannot be got subtly wrong. Checked by ``check_image_root``.
+    reserved: directories never trusted for ``dir:`` images (the agent's state, cache
+        and snapshot roots); the cache's own root and snapshots always are.
+    limits: what is read of one image before it is refused (``ImageLimits``).
+    """
 
     def __init__(self, root: Path, prefer_tools: bool = True,
-                 snapshots_root: Optional[Path] = None):
+                 snapshots_root: Optional[Path] = None, image_roots: Iterable[str] = (),
+                 reserved: Iterable[Path] = (), limits: Optional[ImageLimits] = None):
         self.root = Path(root)
         self.prefer_tools = prefer_tools
+        self.limits = limits or ImageLimits()
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # setuid files of images live here: no other user's
         # the pools' snapshots on this node (providers/local/snapshots.py)
         self.snapshots_root = Path(snapshots_root) if snapshots_root else \
             self.root.parent / "snapshots"
+        reserved = [str(p) for p in reserved] + [str(self.root), str(self.snapshots_root)]
+        self.image_roots = tuple(check_image_root(r, reserved) for r in image_roots)
 
     def prepare(self, image: str) -> PreparedImage:
         """Make ``image`` ready (blocking: call it off the event loop)."""
@@ -92,17 +199,40 @@ class ImageCache:
         if kind == "builtin":
             return self._builtin(image, location)
         if kind == "dir":
-            if not os.path.isdir(location):
-                raise fatal("image %r: no such directory" % image)
-            return PreparedImage(image, Path(location), ImageConfig(), "dir:" + location)
+            return self._dir(image, location)
         if kind == "snapshot":
             return self._snapshot(image, location)
         if kind == "registry":
             location, tag = self._pull(location)
             kind = "oci"
         if kind == "oci":
-            return self._oci(image, Path(location), tag)
-        return self._docker_archive(image, Path(location))
+            verified = read_oci(Path(location), tag, image, self.limits)
+        else:
+            verified = read_docker_archive(Path(location), image, self.limits)
+        try:
+            config = ImageConfig.from_oci(verified.config, image)
+            return self._cached(image, verified.digest, config,
+                                lambda dest: self._unpack(verified, dest))
+        finally:
+            verified.close()
+
+    # ---- dir: a rootfs of a trusted directory, in place
+    def _dir(self, image: str, location: str) -> PreparedImage:
+        """A trusted root's directory, resolved (links included) before it is checked,
+        and refused before its existence is (no host path is probed for a tenant)."""
+        path = os.path.realpath(location)
+        roots = [r for r in self.image_roots if _inside(path, r)]
+        if not roots:
+            raise fatal("image %r: %s is below none of the directories this provider "
+                        "trusts for dir: images (image_roots=%r): refused"
+                        % (image, path, list(self.image_roots)))
+        why = _unchangeable(roots[0])
+        if why is not None:
+            raise fatal("image %r: its image root %s is not to be trusted now: %s: refused"
+                        % (image, roots[0], why))
+        if not os.path.isdir(path):
+            raise fatal("image %r: no such directory" % image)
+        return PreparedImage(image, Path(path), ImageConfig(), "dir:" + path)
 
     # ---- snapshots: a layer of this node's disk over the image it was taken on
     def _snapshot(self, image: str, location: str) -> PreparedImage:
@@ -116,59 +246,29 @@ class ImageCache:
         if base.rootfs is None:
             raise fatal("image %r: its base %r has no rootfs" % (image, meta["base"]))
         config = meta.get("config") or {}
+        user = config.get("user") or ""
+        run_as = base.run_as if user == base.config.user else \
+            resolve_user(base.rootfs, user, image)
         return PreparedImage(image, base.rootfs,
                              ImageConfig(tuple(config.get("env") or ()),
-                                         config.get("workdir") or "", config.get("user") or ""),
-                             image, "snapshot", (store.path(name) / "layer",) + base.layers)
+                                         config.get("workdir") or "", user),
+                             image, "snapshot", (store.path(name) / "layer",) + base.layers,
+                             run_as)
 
-    # ---- OCI layouts
-    def _oci(self, image: str, layout: Path, tag: str) -> PreparedImage:
-        manifest_digest, manifest = _oci_manifest(layout, tag, image)
-        config = json.loads(_blob(layout, manifest["config"]["digest"]))
-
-        def unpack(dest: Path) -> str:
-            if self.prefer_tools and shutil.which("umoci"):
-                ref = "%s:%s" % (layout, tag or _oci_tag(layout, manifest_digest))
-                _run(["umoci", "raw", "unpack", "--image", ref, str(dest)], image)
-                return "umoci"
-            dest.mkdir()
-            for layer in manifest["layers"]:
-                with _open_layer(layout / "blobs" / _digest_path(layer["digest"])) as fh:
-                    apply_layer(fh, dest)
-            return "sandman"
-        return self._cached(image, manifest_digest, ImageConfig.from_oci(config), unpack)
-
-    # ---- docker save archives
-    def _docker_archive(self, image: str, archive: Path) -> PreparedImage:
-        if not archive.is_file():
-            raise fatal("image %r: no such file" % image)
-        with tarfile.open(archive) as tar:
+    # ---- OCI layouts and docker save archives, checked (image_layouts)
+    def _unpack(self, verified: Verified, dest: Path) -> str:
+        if self.prefer_tools and shutil.which("umoci"):
+            layout = dest.parent / "layout"  # the checked blobs, the cache's own copy
             try:
-                manifest = json.load(tar.extractfile("manifest.json"))[0]
-                config_raw = tar.extractfile(manifest["Config"]).read()
-            except (KeyError, IndexError, ValueError, AttributeError) as exc:
-                raise fatal("image %r is not a docker save archive: %s" % (image, exc)) from exc
-        digest = "sha256:" + hashlib.sha256(config_raw).hexdigest()
-        config = ImageConfig.from_oci(json.loads(config_raw))
-
-        def unpack(dest: Path) -> str:
-            if self.prefer_tools and shutil.which("skopeo") and shutil.which("umoci"):
-                layout = dest.parent / (dest.name + ".oci")
-                _run(["skopeo", "copy", "--quiet", "docker-archive:%s" % archive,
-                      "oci:%s:image" % layout], image)
-                try:
-                    _run(["umoci", "raw", "unpack", "--image", "%s:image" % layout, str(dest)],
-                         image)
-                finally:
-                    shutil.rmtree(layout, ignore_errors=True)
-                return "skopeo+umoci"
-            dest.mkdir()
-            with tarfile.open(archive) as tar:
-                for name in manifest["Layers"]:
-                    with _open_layer(tar.extractfile(name)) as fh:
-                        apply_layer(fh, dest)
-            return "sandman"
-        return self._cached(image, digest, config, unpack)
+                verified.private_layout(layout)
+                _run(["umoci", "raw", "unpack", "--image", "%s:image" % layout, str(dest)],
+                     verified.image)
+            finally:
+                shutil.rmtree(layout, ignore_errors=True)
+            _drop_devices(dest)  # as the built-in applier does: sandboxes have their own
+            return "umoci"
+        verified.unpack_builtin(dest)
+        return "sandman"
 
     # ---- registries
     def _pull(self, reference: str) -> Tuple[str, str]:
@@ -203,17 +303,30 @@ class ImageCache:
 
     # ---- the cache itself
     def _cached(self, image: str, digest: str, config: ImageConfig, unpack) -> PreparedImage:
+        """The entry of ``digest`` (checked: image_layouts), built by ``unpack`` if it is
+        not there yet, or was built before images were checked (no ``checked`` mark in
+        its meta.json: its key may be one a hostile image claimed)."""
         key = digest.replace(":", "-")
         entry = self.root / key
-        meta_path = entry / "meta.json"
-        if not meta_path.exists():
+        meta = self._meta(entry)
+        if meta is None:
             with _locked(self.root / (key + ".lock")):
-                if not meta_path.exists():  # another process may have built it meanwhile
-                    self._build(image, entry, unpack)
-        meta = json.loads(meta_path.read_text())
-        return PreparedImage(image, entry / "rootfs", config, digest, meta["unpacked_by"])
+                meta = self._meta(entry)
+                if meta is None:  # another process may have built it meanwhile
+                    self._build(image, entry, config, unpack)
+                    meta = self._meta(entry)
+        return PreparedImage(image, entry / "rootfs", config, digest, meta["unpacked_by"],
+                             run_as=meta["user"])
 
-    def _build(self, image: str, entry: Path, unpack) -> None:
+    @staticmethod
+    def _meta(entry: Path) -> Optional[dict]:
+        try:
+            meta = json.loads((entry / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if meta.get("checked") == CHECKED else None
+
+    def _build(self, image: str, entry: Path, config: ImageConfig, unpack) -> None:
         work = entry.with_name(entry.name + ".building")
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(entry, ignore_errors=True)
@@ -224,7 +337,10 @@ class ImageCache:
                 target = safe_join(work / "rootfs", point)
                 if not os.path.lexists(target):
                     os.makedirs(target, exist_ok=True)
-            (work / "meta.json").write_text(json.dumps({"image": image, "unpacked_by": how}))
+            # the image's user, resolved once, below the rootfs (never on a create)
+            user = resolve_user(work / "rootfs", config.user, image)
+            (work / "meta.json").write_text(json.dumps(
+                {"image": image, "unpacked_by": how, "user": user, "checked": CHECKED}))
             work.rename(entry)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -232,144 +348,15 @@ class ImageCache:
         logger.info("image %s unpacked by %s into %s", image, how, entry)
 
 
-# --------------------------------------------------------------------------- layers
-def safe_join(root: Path, rel: str, follow_last: bool = False) -> Path:
-    """``rel`` inside ``root``, resolving symlinks as if ``root`` were ``/``: an
-    absolute or ``..``-climbing link can never lead out of the rootfs. The last
-    component is followed only with ``follow_last``."""
-    root = Path(root)
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    current: List[str] = []
-    hops = 0
-    while parts:
-        part = parts.pop(0)
-        if part == "..":
-            if current:
-                current.pop()
-            continue
-        candidate = root.joinpath(*current, part)
-        if os.path.islink(candidate) and (parts or follow_last):
-            hops += 1
-            if hops > 40:
-                raise fatal("too many symlinks resolving %r in the image" % rel)
-            target = os.readlink(candidate)
-            if target.startswith("/"):
-                current = []
-            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-            continue
-        current.append(part)
-    return root.joinpath(*current)
-
-
-def _remove(path: Path) -> None:
-    if os.path.islink(path) or not os.path.isdir(path):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    else:
-        shutil.rmtree(path)
-
-
-def apply_layer(fileobj, dest: Path) -> None:
-    """Apply one image layer (an uncompressed tar stream) on top of ``dest``: whiteouts
-    (``.wh.NAME``) delete from the layers below, opaque markers (``.wh..wh..opq``) empty
-    a directory of what the layers below put there, every path stays in ``dest``."""
-    data = fileobj.read()  # two passes: whiteouts first, then the layer's own entries
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        members = tar.getmembers()
-        for member in members:
-            head, _, base = member.name.rstrip("/").rpartition("/")
-            if base == ".wh..wh..opq":
-                directory = safe_join(dest, head, follow_last=True)
-                if os.path.isdir(directory):
-                    for child in os.listdir(directory):
-                        _remove(directory / child)
-            elif base.startswith(".wh."):
-                _remove(safe_join(dest, head + "/" + base[4:]))
-        for member in members:
-            base = member.name.rstrip("/").rpartition("/")[2]
-            if base.startswith(".wh.") or member.isdev():
-                continue  # sandboxes get their own /dev
-            target = safe_join(dest, member.name)
-            if target == Path(dest):
-                continue
-            if os.path.lexists(target) and not (member.isdir() and os.path.isdir(target)
-                                                and not os.path.islink(target)):
-                _remove(target)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if member.islnk():
-                os.link(safe_join(dest, member.linkname), target)
-                continue
-            # extract under the resolved name: no symlink left in its parents
-            member = copy.copy(member)
-            member.name = str(target.relative_to(dest))
-            tar.extract(member, dest, set_attrs=True, numeric_owner=True, **_TRUSTED)
-
-
-# paths are checked above; keep ownership, modes and absolute links of the image
-_TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
-
-
-class _open_layer:
-    """A layer blob as an uncompressed stream (gzip detected by its magic bytes)."""
-
-    def __init__(self, source):
-        self.fh = open(source, "rb") if isinstance(source, (str, Path)) else source
-
-    def __enter__(self):
-        head = self.fh.read(2)
-        self.fh.seek(0)
-        return gzip.GzipFile(fileobj=self.fh) if head == b"\x1f\x8b" else self.fh
-
-    def __exit__(self, *exc):
-        self.fh.close()
-
-
-# --------------------------------------------------------------------------- OCI helpers
-def _digest_path(digest: str) -> str:
-    algorithm, _, value = digest.partition(":")
-    if not value or "/" in value or "/" in algorithm:
-        raise fatal("bad digest %r" % digest)
-    return "%s/%s" % (algorithm, value)
-
-
-def _blob(layout: Path, digest: str) -> bytes:
-    return (layout / "blobs" / _digest_path(digest)).read_bytes()
-
-
-def _oci_manifest(layout: Path, tag: str, image: str) -> Tuple[str, dict]:
-    try:
-        index = json.loads((layout / "index.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise fatal("image %r: not an OCI layout (%s)" % (image, exc)) from exc
-    manifests = index.get("manifests") or []
-    if tag:
-        manifests = [m for m in manifests
-                     if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name") == tag]
-    elif len(manifests) > 1:
-        manifests = [m for m in manifests if (m.get("annotations") or {}).get(
-            "org.opencontainers.image.ref.name") == "latest"] or manifests[:0]
-    if len(manifests) != 1:
-        raise fatal("image %r: %s" % (image, "no manifest tagged %r" % tag if tag else
-                                      "the layout holds several images; name a tag"))
-    digest = manifests[0]["digest"]
-    manifest = json.loads(_blob(layout, digest))
-    if "manifests" in manifest:  # an index: take the linux/amd64 image
-        chosen = [m for m in manifest["manifests"]
-                  if (m.get("platform") or {}).get("architecture") in ("amd64", None)]
-        if not chosen:
-            raise fatal("image %r has no linux/amd64 image" % image)
-        digest = chosen[0]["digest"]
-        manifest = json.loads(_blob(layout, digest))
-    return digest, manifest
-
-
-def _oci_tag(layout: Path, digest: str) -> str:
-    for m in json.loads((layout / "index.json").read_text()).get("manifests", []):
-        if m.get("digest") == digest:
-            return (m.get("annotations") or {}).get("org.opencontainers.image.ref.name", "latest")
-    return "latest"
+def _drop_devices(rootfs: Path) -> None:
+    """Remove the device nodes umoci made (as root it makes an image's): the built-in
+    applier skips them, and no sandbox needs one of its image's."""
+    for top, dirs, files in os.walk(rootfs):  # never follows links
+        for name in files + dirs:
+            path = os.path.join(top, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                os.unlink(path)
 
 
 def _run(argv: List[str], image: str) -> None:

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DAEMON = ROOT / "daemon" / "sandmand"
 CACHE = ROOT / ".cache"
 TOKEN = "test-token-0123456789"
+# The project's own test images (busybox, debootstrap's rootfs) are the dir: images the
+# tests' LocalProviders trust: LocalProvider(image_roots=None) takes them from here
+TEST_IMAGE_ROOT = str(CACHE / "images")
+os.environ.setdefault("SANDMAN_IMAGE_ROOTS", TEST_IMAGE_ROOT)
 
 
 class DaemonProcess:

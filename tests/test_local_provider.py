@@ -17,7 +17,7 @@ from sandman_ray.image_builders import write_docker_archive, write_oci_layout
 from sandman_ray.providers.local import LocalProvider
 from sandman_ray.spec import SandboxSpec
 from conftest import LOCAL_CACHE as CACHE, LOCAL_STATE as STATE
-from conftest import ROOT, Sandbox, new_id, processes_matching, run
+from conftest import ROOT, TEST_IMAGE_ROOT, Sandbox, new_id, processes_matching, run
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,8 @@ def test_registry_reference_without_a_reachable_registry_fails_clearly(provider)
 
 def test_bad_image_strings_fail_fatally_with_the_reason(provider):
     for image, words in (("oci:/no/such/layout", "not an OCI layout"),
-                         ("dir:/no/such/dir", "no such directory"),
+                         ("dir:%s/no/such/dir" % TEST_IMAGE_ROOT, "no such directory"),
+                         ("dir:/no/such/dir", "image_roots"),
                          ("docker-archive:/no/such.tar", "no such file")):
         with pytest.raises(ProviderError) as err:
             run(provider.create(new_id(), SandboxSpec(image=image), {}))

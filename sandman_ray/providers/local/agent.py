@@ -11,7 +11,7 @@ import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import ray
 
@@ -45,7 +45,7 @@ class NodeAgent:
                  prefer_tools: bool = True, ready_timeout_s: float = 30.0,
                  user_namespaces: bool = True, isolation: str = "namespaces",
                  snapshot_root: Optional[str] = None, snapshot_bytes: Optional[int] = None,
-                 table_needs=None):
+                 table_needs=None, image_roots: Tuple[str, ...] = ()):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         from sandman_ray.providers.local.bwrap import secure_root, view_root
@@ -77,7 +77,8 @@ class NodeAgent:
             ensure_nosuid_nodev(store_root)
         snapshots = secure_root(store_root / node_id[:16])
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
-                                 snapshots_root=snapshots)
+                                 snapshots_root=snapshots, image_roots=image_roots,
+                                 reserved=(self.state_root, cache, store_root))
         self.snapshot_store = SnapshotStore(snapshots, pool)
         if snapshot_bytes is None:
             fs = os.statvfs(snapshots)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from sandman_ray.bundle import DEFAULT_MOUNT, daemon_argv
-from sandman_ray.errors import NotSupported, ProviderError
+from sandman_ray.errors import NotSupported
+from sandman_ray.image_files import resolve_user
 from sandman_ray.providers.local import renew, seccomp
 from sandman_ray.providers.local.cgroups import rlimits
 from sandman_ray.providers.mounts import (
@@ -150,34 +151,12 @@ class Chain:
         return self.image.config.workdir or "/"
 
     def _user(self) -> Optional[str]:
-        """``uid:gid`` to run as, None for root: the spec's user, else the image's
-        (names are looked up in the image's /etc/passwd and /etc/group)."""
-        user = self.spec.user or self.image.config.user
-        if not user:
-            return None
-        name, _, group = user.partition(":")
-        uid = name if name.isdigit() else self._lookup("passwd", name, 2)
-        if group:
-            gid = group if group.isdigit() else self._lookup("group", group, 2)
-        else:
-            gid = self._lookup("passwd", name, 3) if not name.isdigit() else uid
-        return None if uid == "0" and gid == "0" else "%s:%s" % (uid, gid)
-
-    def _lookup(self, table: str, key: str, column: int) -> str:
-        """A field of the image's /etc/passwd or /etc/group; a name the image does not
-        know is an error, not a silent run as root."""
-        root = self.image.rootfs or Path("/")
-        try:
-            lines = (root / "etc" / table).read_text(errors="replace").splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            fields = line.split(":")
-            if len(fields) > column and (fields[0] == key or fields[2] == key):
-                return fields[column]
-        raise ProviderError("image %s has no %s entry for %r (user %r)"
-                            % (self.image.image, table, key, self.spec.user or
-                               self.image.config.user), "fatal")
+        """``uid:gid`` to run as, None for root: the spec's user (names looked up in the
+        image's etc/passwd and etc/group, read below its rootfs and never through a
+        link out of it: image_files), else the image's, resolved when it was prepared."""
+        if self.spec.user:
+            return resolve_user(self.image.rootfs, self.spec.user, self.image.image) or None
+        return self.image.run_as or None
 
     def _root_args(self) -> List[str]:
         if self.image.rootfs is not None:

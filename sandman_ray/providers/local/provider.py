@@ -9,8 +9,9 @@ the next agent of that pool and node removes whatever state the last one left.
 
 import os
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
+from sandman_ray.images import check_image_root
 from sandman_ray.providers.local.agent import NodeAgent, agent_groups
 from sandman_ray.providers.local.host_tables import PoolNeeds
 from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, agent_name
@@ -22,6 +23,8 @@ DEFAULT_CACHE_ROOT = "/tmp/sandman-ray/cache"
 # Snapshots in memory by default (a tmpfs): a layer of a thousand small files is copied
 # in ~45 ms there, and in 1.4 s on this machine's disk (~1 ms per file created)
 DEFAULT_SNAPSHOT_ROOT = "/dev/shm/sandman-ray/snapshots"
+# Where LocalProvider() finds its image_roots when it is not given them
+IMAGE_ROOTS_ENV = "SANDMAN_IMAGE_ROOTS"
 
 
 def leftovers(pool: str, state_root: str = DEFAULT_STATE_ROOT,
@@ -66,6 +69,12 @@ class LocalProvider(NodeAgentProvider):
     snapshot_bytes: the most a pool's snapshots may hold on a node (None: half the
         snapshot root's filesystem); a snapshot past it, or past a tenth of that
         filesystem left free, is refused.
+    image_roots: the directories whose subdirectories may be ``dir:`` images (None:
+        those the ``SANDMAN_IMAGE_ROOTS`` environment variable of the process that
+        makes the provider names, colon-separated; none if it is unset). A ``dir:``
+        image elsewhere is refused at create; the host's root, its system
+        directories and the state, cache and snapshot roots are refused as roots
+        (images.check_image_root).
     """
 
     supports_reset = True
@@ -82,7 +91,8 @@ class LocalProvider(NodeAgentProvider):
                  cache_root: str = DEFAULT_CACHE_ROOT, prefer_tools: bool = True,
                  ready_timeout_s: float = 30.0, user_namespaces: bool = True,
                  isolation: str = "namespaces", snapshot_root: str = DEFAULT_SNAPSHOT_ROOT,
-                 snapshot_bytes: Optional[int] = None):
+                 snapshot_bytes: Optional[int] = None,
+                 image_roots: Optional[Sequence[str]] = None):
         super().__init__()
         if isolation not in ("namespaces", "gvisor"):
             raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
@@ -92,6 +102,12 @@ class LocalProvider(NodeAgentProvider):
         self.prefer_tools, self.ready_timeout_s = prefer_tools, ready_timeout_s
         self.user_namespaces = user_namespaces
         self.snapshot_root, self.snapshot_bytes = snapshot_root, snapshot_bytes
+        if image_roots is None:
+            image_roots = [r for r in os.environ.get(IMAGE_ROOTS_ENV, "").split(":") if r]
+        reserved = (state_root, cache_root, snapshot_root)
+        for root in image_roots:
+            check_image_root(root, reserved)  # ValueError now, not at the first create
+        self.image_roots = tuple(image_roots)
 
     def agent_class(self):
         return NodeAgent
@@ -106,4 +122,5 @@ class LocalProvider(NodeAgentProvider):
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
                 self.ready_timeout_s, self.user_namespaces, self.isolation,
-                self.snapshot_root, self.snapshot_bytes, PoolNeeds.of(self.pool_config))
+                self.snapshot_root, self.snapshot_bytes, PoolNeeds.of(self.pool_config),
+                self.image_roots)

@@ -141,10 +141,14 @@ async def measure(provider, spec, args, pid_of):
 def local_setup(args, user_namespaces=True, network=False, isolation="namespaces"):
     name = "bench-local" + ("-network" if network else "") + (
         "" if user_namespaces else "-host-root") + ("-gvisor" if isolation == "gvisor" else "")
+    image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    # dir: images are served only from trusted roots: the project's images, or --image's
+    roots = [str(ROOT / ".cache" / "images")] if not args.image or not \
+        args.image.startswith("dir:") else [os.path.dirname(args.image[4:].rstrip("/"))]
     provider = LocalProvider(state_root="/tmp/sandman-ray/bench-state",
                              cache_root=str(ROOT / ".cache" / "provider"),
-                             user_namespaces=user_namespaces, isolation=isolation).bind(name)
-    image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+                             user_namespaces=user_namespaces, isolation=isolation,
+                             image_roots=roots).bind(name)
     return (provider, SandboxSpec(image=image, network=network),
             lambda info: [info.details["pid"]], None)
 

@@ -181,6 +181,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error("unknown sections %s (known: %s)" % (unknown, ", ".join(SECTIONS)))
     image = "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    # the sections' providers (here and in their child processes) trust its directory
+    os.environ.setdefault("SANDMAN_IMAGE_ROOTS", str(ROOT / ".cache" / "images"))
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
     results: Dict[str, dict] = {}

@@ -78,7 +78,8 @@ def pool_tour(rootfs: Path) -> None:
     print("\n-- pool on a local Ray --")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     image = "dir:%s" % rootfs
-    provider = sandman.LocalProvider(cache_root=str(CACHE / "provider"))
+    provider = sandman.LocalProvider(cache_root=str(CACHE / "provider"),
+                                     image_roots=[str(rootfs.parent)])  # dir: images' home
     try:
         sandman.create_pool("demo", provider=provider, warm={image: 2})
         started = time.perf_counter()

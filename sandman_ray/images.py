@@ -145,7 +145,7 @@ def check_image_root(root: str, reserved: Iterable[str] = ()) -> str:
     return real
 
 
-def _unchangeable(root: str) -> Optional[str]:
+def _changeable_by_others(root: str) -> Optional[str]:
     """Why ``root`` (resolved) could be changed by a user other than root and the
     agent's, so that an image below it could become any host path; None if it cannot."""
     try:
@@ -226,7 +226,7 @@ class ImageCache:
             raise fatal("image %r: %s is below none of the directories this provider "
                         "trusts for dir: images (image_roots=%r): refused"
                         % (image, path, list(self.image_roots)))
-        why = _unchangeable(roots[0])
+        why = _changeable_by_others(roots[0])
         if why is not None:
             raise fatal("image %r: its image root %s is not to be trusted now: %s: refused"
                         % (image, roots[0], why))

@@ -159,9 +159,17 @@ def test_image_env_workdir_and_user_are_honoured_and_its_entrypoint_not_run(clus
         assert client.exec("id -u; pwd; echo $A $FROM_IMAGE").text.split() == [
             "4242", "/tmp", "b", "yes"]
         client.close()
+        # a snapshot starts as its base did: the image's variables (its container held
+        # them empty, for the daemon), not the spec's
+        run(provider.snapshot("s2", "env"))
+        forked = run(provider.create("s3", SandboxSpec(
+            image="snapshot:%s/env" % provider.pool), {}))
+        client = DaemonClient(forked.address, forked.token)
+        assert client.exec("echo $FROM_IMAGE ${A:-unset}").text.split() == ["yes", "unset"]
+        client.close()
     finally:
         deleted = run(provider.shutdown())
-    assert deleted == 2
+    assert deleted == 3
 
 
 def test_no_network_and_limits_from_the_spec(cluster, engine):

@@ -268,51 +268,79 @@ LOADER_VARIABLES = {"LD_PRELOAD": "/usr/lib/libsandman-mark.so", "LD_LIBRARY_PAT
 @pytest.fixture(scope="module")
 def preloading_image(busybox_rootfs, tmp_path_factory):
     """An image whose config preloads one of its own libraries (a shared object with no
-    dependency, so any process's loader maps it) and sets libc's and Python's variables."""
+    dependency, so any process's loader maps it) and sets libc's and Python's
+    variables: an OCI layout, and its rootfs (for an engine's import)."""
     from sandman_ray.image_builders import write_oci_layout
     where = tmp_path_factory.mktemp("preload")
     (where / "mark.c").write_text("static void mark(void) __attribute__((constructor));\n"
                                   "static void mark(void) {}\n")
     subprocess.run(["gcc", "-shared", "-fPIC", "-nostdlib", "-o", str(where / "mark.so"),
                     str(where / "mark.c")], check=True)
-    config = {"Env": ["PATH=/bin"] + ["%s=%s" % kv for kv in sorted(LOADER_VARIABLES.items())]}
+    env = ["PATH=/bin"] + ["%s=%s" % kv for kv in sorted(LOADER_VARIABLES.items())]
     layers = [{"usr/lib/libsandman-mark.so": (where / "mark.so").read_bytes()}]
-    return "oci:%s:v1" % write_oci_layout(busybox_rootfs, where / "oci", "v1", config, layers)
+    rootfs = where / "rootfs"
+    shutil.copytree(busybox_rootfs, rootfs, symlinks=True)
+    os.makedirs(rootfs / "usr" / "lib", exist_ok=True)
+    shutil.copy(where / "mark.so", rootfs / "usr" / "lib" / "libsandman-mark.so")
+    return {"oci": "oci:%s:v1" % write_oci_layout(busybox_rootfs, where / "oci", "v1",
+                                                  {"Env": env}, layers),
+            "rootfs": rootfs, "env": env}
 
 
-@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
-def test_an_images_loader_variables_reach_its_commands_never_the_daemon(preloading_image,
-                                                                       isolation):
-    """PID 1 holds the lease's token and the agent's: an image's LD_PRELOAD (or any
-    loader, libc or Python variable) must not load the image's code into it. The
-    daemon starts with PATH alone; its commands get the image's environment whole."""
+@pytest.fixture
+def preloading_box(request, preloading_image):
+    """A sandbox of the preloading image at the level the test names: a LocalProvider
+    sandbox under bubblewrap or gVisor, or a DockerProvider container."""
     from conftest import LOCAL_CACHE, LOCAL_STATE, run, shared_ray
     from sandman_ray.providers.local import LocalProvider
     shared_ray()
-    if isolation == "gvisor" and shutil.which("runsc") is None:
+    level = request.param
+    if level == "docker":
+        reference = "localhost/sandman-escape/preload:1"
+        request.getfixturevalue("engine").import_rootfs(
+            preloading_image["rootfs"], reference,
+            changes=["ENV %s" % entry for entry in preloading_image["env"]])
+        with Sandbox(request.getfixturevalue("docker_provider"), reference) as sb:
+            sb.kind = level
+            yield sb
+        return
+    if level == "gvisor" and shutil.which("runsc") is None:
         pytest.fail("runsc is missing: make test installs it (apt-get install runsc)")
     provider = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
-                             isolation=isolation).bind("preload-%s" % uuid.uuid4().hex[:6])
+                             isolation=level).bind("preload-%s" % uuid.uuid4().hex[:6])
     try:
-        with Sandbox(provider, preloading_image) as sb:
-            seen = sh(sb, "tr '\\0' '\\n' < /proc/1/environ; echo ---; "
-                          "grep -c libsandman-mark /proc/1/maps; echo ---; env")
-            daemon_env, maps, commands = seen.split("---\n")
-            for key, value in LOADER_VARIABLES.items():
-                assert "%s=%s" % (key, value) in commands.split("\n")
-            if isolation == "gvisor":  # PID 1 as gVisor's kernel shows it inside
-                assert maps.strip() == "0"
-            else:  # as the host sees PID 1 (inside, its maps and environ are not readable)
-                pid = daemon_pid(sb)
-                with open("/proc/%d/environ" % pid, "rb") as fh:
-                    daemon_env = fh.read().decode().replace("\0", "\n")
-                with open("/proc/%d/maps" % pid) as fh:
-                    assert "libsandman-mark" not in fh.read()
-            # PATH alone, and what the launcher adds: bwrap's PWD, the OCI runtime's HOME
-            assert {e.partition("=")[0] for e in daemon_env.split()} <= {"PATH", "PWD", "HOME"}, \
-                daemon_env
+        with Sandbox(provider, preloading_image["oci"]) as sb:
+            sb.kind = level
+            yield sb
     finally:
         run(provider.shutdown())
+
+
+@pytest.mark.parametrize("preloading_box", ["namespaces", "gvisor", "docker"], indirect=True)
+def test_an_images_loader_variables_reach_its_commands_never_the_daemon(preloading_box):
+    """PID 1 holds the lease's token and the agent's: an image's LD_PRELOAD (or any
+    loader, libc or Python variable) must not load the image's code into it. The
+    daemon starts with PATH alone (an engine gives it the image's variables, each set
+    empty); its commands get the image's environment whole."""
+    sb = preloading_box
+    seen = sh(sb, "tr '\\0' '\\n' < /proc/1/environ; echo ---; "
+                  "grep -c libsandman-mark /proc/1/maps; echo ---; env")
+    daemon_env, maps, commands = seen.split("---\n")
+    for key, value in LOADER_VARIABLES.items():
+        assert "%s=%s" % (key, value) in commands.split("\n")
+    if sb.kind == "gvisor":  # PID 1 as gVisor's kernel shows it inside
+        assert maps.strip() == "0"
+    else:  # as the host sees PID 1 (inside, its maps and environ are not readable)
+        pid = daemon_pid(sb)
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            daemon_env = fh.read().decode().replace("\0", "\n")
+        with open("/proc/%d/maps" % pid) as fh:
+            assert "libsandman-mark" not in fh.read()
+    # PATH alone, what the launcher adds (bwrap's PWD, the OCI runtime's HOME, an
+    # engine's HOSTNAME, TERM and container), and an engine's image variables, empty
+    kept = {"PATH", "PWD", "HOME", "HOSTNAME", "TERM", "container"}
+    assert all(e.partition("=")[0] in kept or e.endswith("=")
+               for e in daemon_env.split()), daemon_env
 
 
 def test_a_snapshot_copies_what_a_sandbox_left_without_following_it(provider):

@@ -13,6 +13,8 @@ Usage::
                                          stays the launcher's minimal one. With N the
                                          token's descriptor, they follow the token's
                                          first line)
+                [--env-file FILE]       (FILE the --token-file: the sandbox's
+                                         environment follows the token's first line)
                 [--root DIR]            (run in DIR, a path of the root it starts in,
                                          which renew moves it out of)
                 [--workdir DIR] [--ready-fd N] [--max-output BYTES]
@@ -47,7 +49,7 @@ def parse_args(argv):
             "ready_fd": None,
             "max_output": DEFAULT_OUTPUT_CAP, "hello_timeout": HELLO_TIMEOUT_S,
             "user": None, "limits": "", "socket_mode": "0600", "oom_counter": None,
-            "admin_token_fd": None, "root": None, "env_fd": None}
+            "admin_token_fd": None, "root": None, "env_fd": None, "env_file": None}
     it = iter(argv)
     for arg in it:
         key, sep, value = arg.partition("=")
@@ -66,24 +68,30 @@ def parse_args(argv):
 
 def main(argv=None):
     opts = parse_args(sys.argv[1:] if argv is None else argv)
+    rest = b""  # what follows the token's first line in its file or descriptor
     if opts["token_file"]:  # read once, then removed: nothing started later finds it
-        with open(opts["token_file"], "r") as fh:
-            token = fh.read(4096).strip()
+        first, _, rest = _read_all(open(opts["token_file"], "rb"),
+                                   "--token-file").partition(b"\n")
         try:
             os.unlink(opts["token_file"])
         except OSError:
             pass  # a read-only mount (a secret volume): the launcher keeps it from others
+        token = first.decode("ascii", "replace").strip()
     elif opts["token_fd"] is not None:  # a pipe: the token is in no file and no environment
         first, _, rest = _read_all(int(opts["token_fd"]), "--token-fd").partition(b"\n")
         token = first.decode("ascii", "replace").strip()
     else:
         token = os.environ.get("SANDMAN_TOKEN", "")
-    env = None
-    if opts["env_fd"] is not None:
-        if opts["env_fd"] == opts["token_fd"]:
-            env = decode_environ(rest)
-        else:
-            env = decode_environ(_read_all(int(opts["env_fd"]), "--env-fd"))
+    launch_data = opts["token_file"] or opts["token_fd"]  # where the token's line was read
+    env_at = opts["env_file"] or opts["env_fd"]
+    if env_at is None:
+        env = None
+    elif env_at == launch_data:  # the environment follows that first line
+        env = decode_environ(rest)
+    elif opts["env_file"] is None:
+        env = decode_environ(_read_all(int(env_at), "--env-fd"))
+    else:
+        raise SystemExit("sandmand: --env-file must name the --token-file")
     admin_token = None
     if opts["admin_token_fd"] is not None:
         with os.fdopen(int(opts["admin_token_fd"]), "rb") as fh:
@@ -126,9 +134,10 @@ def main(argv=None):
 LAUNCH_DATA_MAX = 16 * 2 ** 20
 
 
-def _read_all(fd, option):
-    """Everything on descriptor ``fd`` (to its end, at most LAUNCH_DATA_MAX), closed."""
-    with os.fdopen(fd, "rb") as fh:
+def _read_all(source, option):
+    """Everything in ``source``, a descriptor or a binary file (to its end, at most
+    LAUNCH_DATA_MAX), which is closed."""
+    with os.fdopen(source, "rb") if isinstance(source, int) else source as fh:
         data = fh.read(LAUNCH_DATA_MAX + 1)
     if len(data) > LAUNCH_DATA_MAX:
         raise SystemExit("sandmand: %s holds more than %d bytes" % (option, LAUNCH_DATA_MAX))

@@ -65,6 +65,8 @@ class DockerAgent(ContainerSpecs):
         self.closing = False          # shutdown began: no new containers
         self.deleted: set = set()     # ids deleted while their create was in flight
         self.present: set = set()     # images known to be on this engine
+        # image -> its config's Env, as the engine inspected it (launch_environment)
+        self.image_envs: Dict[str, List[str]] = {}
         self.specs: Dict[str, tuple] = {}        # sandbox id -> (spec, labels), for reset
         self.infos: Dict[str, SandboxInfo] = {}  # sandbox id -> what its create returned
         self.holds: Dict[str, asyncio.Lock] = {}  # sandbox id -> one snapshot/pause at a time
@@ -185,7 +187,8 @@ class DockerAgent(ContainerSpecs):
         pulled = time.monotonic()
         run_dir = self.state / sandbox_id
         token = secrets.token_hex(16)
-        config = self._container_config(sandbox_id, spec, image, labels, run_dir)
+        own_env, environ = self.launch_environment(spec, await self._image_env(image))
+        config = self._container_config(sandbox_id, spec, image, labels, run_dir, own_env)
         self.specs[sandbox_id] = (spec, labels)
         try:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -193,7 +196,7 @@ class DockerAgent(ContainerSpecs):
             # the image's user, whoever it is (a range id under a user namespace), makes
             # the socket here and removes the token once read; 0700 above it
             os.chmod(run_dir, 0o777)
-            _write_token(run_dir / "token", token)
+            _write_token(run_dir / "token", token.encode() + b"\n" + environ)
             container = await self._create_container(sandbox_id, config)
             created = time.monotonic()
             self._still_wanted(sandbox_id)
@@ -395,6 +398,16 @@ class DockerAgent(ContainerSpecs):
             raise fatal("%s: its container is %s" % (what, status))
         return container
 
+    async def _image_env(self, image: str) -> List[str]:
+        """The image's own environment (its config's Env), asked of the engine once per
+        image this agent runs."""
+        if image not in self.image_envs:
+            found = await self._image(image, "inspect image %s" % image)
+            if found is None:
+                raise transient("image %s: gone from the engine as it was used" % image)
+            self.image_envs[image] = list((found.get("Config") or {}).get("Env") or ())
+        return self.image_envs[image]
+
     async def _image(self, reference: str, what: str) -> Optional[dict]:
         """The engine's inspection of an image; None if it has none of that name."""
         import docker.errors
@@ -477,6 +490,7 @@ class DockerAgent(ContainerSpecs):
         an error. Containers still running from it: a fatal error naming them."""
         reference = snapshot_reference(self.pool, name)
         self.present.discard(reference)
+        self.image_envs.pop(reference, None)
         await self._engine("delete snapshot %r of pool %s" % (name, self.pool),
                            remove_snapshot_image, self.engine, reference)
 
@@ -515,6 +529,7 @@ class DockerAgent(ContainerSpecs):
         removed = await self._engine("remove the snapshots of pool %s" % self.pool,
                                      remove_snapshot_images, self.engine, self.pool)
         self.present.clear()
+        self.image_envs.clear()
         if removed:
             logger.info("docker agent %s: removed %d snapshots of pool %s", self.node_id,
                         removed, self.pool)
@@ -534,10 +549,13 @@ def _host_root_id(pid: int) -> Optional[int]:
     return None
 
 
-def _write_token(path: Path, token: str) -> None:
-    """The token where only the container's daemon reads it (0700 above), made afresh."""
+def _write_token(path: Path, data: bytes) -> None:
+    """The token (and the sandbox's environment after it) where only the container's
+    daemon reads it (0700 above), made afresh."""
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, token.encode())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
     finally:
         os.close(fd)

@@ -9,8 +9,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Tuple
 
+from sandman_ray.daemon.sandmand.spawn import DEFAULT_PATH
 from sandman_ray.errors import SandboxLost
 from sandman_ray.providers.base import fatal, transient
 from sandman_ray.providers.docker.engine import container_name, engine_facts, snapshot_reference
@@ -75,8 +76,24 @@ class ContainerSpecs:
                         "without a network cannot publish its daemon's port" % spec.image)
         return location
 
+    @staticmethod
+    def launch_environment(spec: SandboxSpec, image_env) -> Tuple[Dict[str, str], bytes]:
+        """The container's own environment and the sandbox's. The engine gives the
+        container's first process (the daemon) the image's variables under ours: each
+        is set empty for it (an empty LD_PRELOAD, GLIBC_TUNABLES or GCONV_PATH does
+        nothing), PATH is the default. The sandbox's (the image's, the spec's over it)
+        follows the token in its file, for the commands the daemon starts."""
+        own = {entry.partition("=")[0]: "" for entry in image_env or ()}
+        own["PATH"] = DEFAULT_PATH
+        env = dict(entry.partition("=")[::2] for entry in image_env or () if "=" in entry)
+        env.setdefault("PATH", DEFAULT_PATH)
+        env.update(spec.env)
+        return own, b"".join(("%s=%s" % kv).encode("utf-8", "surrogateescape") + b"\0"
+                             for kv in sorted(env.items()))
+
     def _container_config(self, sandbox_id: str, spec: SandboxSpec, image: str,
-                          labels: Dict[str, str], run_dir: Path) -> dict:
+                          labels: Dict[str, str], run_dir: Path,
+                          own_env: Dict[str, str]) -> dict:
         from docker.types import Mount
         if self.transport == "tcp":
             listen = "tcp:0.0.0.0:%d" % TCP_PORT
@@ -88,12 +105,13 @@ class ContainerSpecs:
             # the socket is 0666: the host directory (0700 above it) and the token guard
             # it, and the client need not be the user the image runs as
             command=["--listen", listen, "--socket-mode", "0666",
-                     "--token-file", "%s/token" % SOCKET_DIR],
+                     "--token-file", "%s/token" % SOCKET_DIR,
+                     "--env-file", "%s/token" % SOCKET_DIR],
             labels=dict(labels, **{NODE_LABEL: self.node_id, AGENT_LABEL: self.incarnation}),
             hostname=re.sub(r"[^a-z0-9-]", "-", sandbox_id.lower())[:63],
             mounts=[Mount("/.sandman", str(self.bundle), type="bind", read_only=True),
                     Mount(SOCKET_DIR, str(run_dir), type="bind")],
-            environment=dict(spec.env), detach=True,
+            environment=own_env, detach=True,
             # the policy of record (providers/syscalls.py): the capabilities a
             # LocalProvider sandbox keeps, and the engine's profile with its refusals
             cap_drop=["ALL"], cap_add=list(kept_capabilities(spec.capabilities)),

@@ -308,7 +308,18 @@ def commit_changes(labels: Dict[str, str], blank_labels: Iterable[str], containe
         changes.append("WORKDIR %s" % (config.get("WorkingDir") or "/"))
     if (ran.get("User") or "") != (config.get("User") or ""):
         changes.append("USER %s" % (config.get("User") or "0"))
+    # the base's environment: the container's own set each of its variables empty for
+    # the daemon (ContainerSpecs.launch_environment)
+    for entry in config.get("Env") or ():
+        key, _, value = entry.partition("=")
+        changes.append("ENV %s=%s" % (key, _dockerfile_quoted(value)))
     return changes
+
+
+def _dockerfile_quoted(value: str) -> str:
+    """``value`` as a Dockerfile instruction reads it back unchanged: in double quotes,
+    with its backslashes, quotes and dollars escaped (no variable is expanded)."""
+    return '"%s"' % value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
 
 
 def commit_container(engine, container: dict, reference: str, changes: List[str]) -> str:

@@ -87,6 +87,39 @@ def test_a_shutdown_right_after_a_release_leaves_nothing(local_provider, isolati
         assert processes_matching("%s/%s/" % (LOCAL_STATE, pool)) == [], round_
 
 
+@pytest.mark.parametrize("network", [False, True], ids=["renewed", "started-afresh"])
+def test_a_delete_during_a_reset_leaves_nothing_and_starts_nothing(local_provider, network):
+    """The pool may delete a sandbox whose reset is under way (a release, then a
+    shrink or a TTL): the delete waits for the reset, so the reset never starts again
+    (in place, or afresh) a sandbox that was removed and whose uid range was given
+    back. Before, the removed sandbox's chain came back, known to no one."""
+    import asyncio
+    import uuid
+    from conftest import run
+    from sandman_ray.providers.local import LocalProvider, leftovers
+    from sandman_ray.spec import SandboxSpec
+    provider = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE).bind(
+        "raced-%s" % uuid.uuid4().hex[:6])
+    spec = SandboxSpec(network=network)
+    try:
+        for round_ in range(ROUNDS):
+            sid = "s%d" % round_
+            run(provider.create(sid, spec, {}))
+
+            async def race():
+                return await asyncio.gather(provider.reset(sid), provider.delete(sid),
+                                            return_exceptions=True)
+            run(race())
+            assert run(provider.list()) == [], round_
+            left = leftovers(provider.pool, LOCAL_STATE)
+            assert (left["processes"], left["directories"]) == ([], []), (round_, left)
+        run(provider.create("after", spec, {}))  # the agent and its ranges serve on
+    finally:
+        run(provider.shutdown())
+    assert leftovers(provider.pool, LOCAL_STATE) == {"processes": [], "directories": [],
+                                                     "cgroups": []}
+
+
 def test_a_sandboxs_first_process_starts_in_its_cgroups(tmp_path):
     """The launching thread sits in the sandbox's groups while it forks: the chain's
     first process is in them before its first instruction (a shell that joined them

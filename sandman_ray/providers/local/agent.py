@@ -108,7 +108,8 @@ class NodeAgent:
         self.fetching = SingleFlight()  # snapshots being brought from another node
         self.locks: Dict[str, asyncio.Lock] = {}  # sandbox id -> its snapshot/pause lock
         self.resetting = set()  # sandboxes being reset: no holder's token is taken
-        self.resets = set()  # resets in flight (a shutdown waits for them)
+        # sandbox id -> its reset in flight (a shutdown, and its delete, wait for it)
+        self.resets: Dict[str, asyncio.Future] = {}
         # copies run on threads of their own: a slow one never holds up creates
         self.capturing = ThreadPoolExecutor(2, thread_name_prefix="sandman-snapshot")
         self.captures = set()  # copies in flight (a shutdown waits for them)
@@ -243,6 +244,14 @@ class NodeAgent:
                      "isolation": self.isolation})
 
     async def delete(self, sandbox_id: str) -> None:
+        """Remove the sandbox and what it left, once its reset in flight (if any) has
+        ended: removed under a reset, it would be started again on a range given back."""
+        reset = self.resets.get(sandbox_id)
+        if reset is not None:
+            await asyncio.wait([reset])
+        await self._delete(sandbox_id)
+
+    async def _delete(self, sandbox_id: str) -> None:
         sandbox = self.sandboxes.pop(sandbox_id, None)
         self.labels.pop(sandbox_id, None)
         self.locks.pop(sandbox_id, None)
@@ -279,6 +288,9 @@ class NodeAgent:
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
         async with self._lock(sandbox_id):  # after a snapshot or pause under way
+            if self.sandboxes.get(sandbox_id) is not sandbox:  # deleted meanwhile
+                raise fatal("sandbox %s was deleted on node %s before its reset began"
+                            % (sandbox_id, self.node_id))
             # the lease's token is refused from here on, before the new one exists: a
             # pause of the lease that ended must not freeze the next holder's sandbox
             self.resetting.add(sandbox_id)
@@ -287,11 +299,12 @@ class NodeAgent:
         # run to its end even if its caller gives up: a shutdown waits for it, and
         # no relaunch of it can start once the agent is closing
         task = asyncio.ensure_future(self._reset(sandbox))
-        self.resets.add(task)
+        self.resets[sandbox_id] = task
         try:
             return await asyncio.shield(task)
         finally:
-            self.resets.discard(task)
+            if self.resets.get(sandbox_id) is task:
+                del self.resets[sandbox_id]
             self.resetting.discard(sandbox_id)
 
     async def _reset(self, sandbox) -> SandboxInfo:
@@ -314,11 +327,11 @@ class NodeAgent:
             await sandbox.wait_ready(self.ready_timeout_s)
             await check_answers(self._info(sandbox_id))
         except Exception as exc:  # whatever failed: nothing of it may stay
-            await self.delete(sandbox_id)
+            await self._delete(sandbox_id)
             raise transient("sandbox %s did not come back from reset: %s: %s"
                             % (sandbox_id, type(exc).__name__, exc)) from exc
         if self.closed:  # shut down while it started again: the shutdown's delete of it
-            await self.delete(sandbox_id)  # may have run before it was back
+            await self._delete(sandbox_id)  # may have run before it was back
             raise fatal("the agent of pool %s on node %s was shut down during the reset "
                         "of %s" % (self.pool, self.node_id, sandbox_id))
         if sandbox.renewable and sandbox.layer is None:
@@ -519,7 +532,7 @@ class NodeAgent:
         if self.control:
             self.control.close()
         await asyncio.gather(*self.creating.running.values(), *self.captures,
-                             *self.resets, return_exceptions=True)
+                             *self.resets.values(), return_exceptions=True)
         ids = list(self.sandboxes)
         await asyncio.gather(*(self.delete(sid) for sid in ids))
         from sandman_ray.providers.janitor import clean

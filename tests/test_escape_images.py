@@ -6,8 +6,11 @@ the built-in applier (``builtin``). Each attack is asserted refused (a fatal
 ProviderError naming the problem) or harmless, with the host unchanged: a canary
 directory outside the cache keeps its files, and nothing appears outside the cache.
 Every prepare runs under a time bound, so that a FIFO or ``/dev/zero`` cannot hang the
-suite."""
+suite. The last tests start hostile images as sandboxes at every level where images
+apply: the LocalProvider's default, with a network, under gVisor, and a DockerProvider
+container of the image as the engine loaded it. The builders are ``image_kit.py``."""
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -17,8 +20,6 @@ import shutil
 import stat
 import subprocess
 import tarfile
-import threading
-from pathlib import Path
 
 import pytest
 
@@ -26,178 +27,17 @@ from sandman_ray.errors import ProviderError
 from sandman_ray.images import ImageCache, check_image_root
 from sandman_ray.image_layers import ImageLimits
 from sandman_ray import image_files
-
-PATHS = ["tools", "builtin"]
-SECRET = b"the host's secret\n"
-PREPARE_TIMEOUT_S = 60
-
-
-# --------------------------------------------------------------------------- building
-def entry(name, kind="file", data=b"", link="", mode=0o644, uid=0, devmajor=0):
-    """One layer member: ``kind`` file, dir, symlink, hardlink, fifo or chr."""
-    info = tarfile.TarInfo(name)
-    info.mode, info.uid, info.gid = mode, uid, uid
-    info.type = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
-                 "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE,
-                 "chr": tarfile.CHRTYPE}[kind]
-    info.linkname = link
-    info.devmajor, info.devminor = devmajor, 3 if kind == "chr" else 0
-    info.size = len(data) if kind == "file" else 0
-    return info, data
+from image_kit import (BASE, SECRET, Unchanged, config_of, docker_archive, entry, image_of,
+                       layer, make_host, oci, prepare, refused, sha)
+from escape_kit import docker_provider, engine, provider  # noqa: F401 - fixtures, by name
 
 
-def layer(*members) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for info, data in members:
-            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
-    return buf.getvalue()
-
-
-BASE = layer(entry("etc", "dir", mode=0o755), entry("bin", "dir", mode=0o755),
-             entry("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"),
-             entry("etc/group", data=b"root:x:0:\n"))
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def config_of(layers, config=None, **extra) -> bytes:
-    return json.dumps(dict({"architecture": "amd64", "os": "linux", "config": config or {},
-                            "rootfs": {"type": "layers",
-                                       "diff_ids": [sha(raw) for raw in layers]}},
-                           **extra)).encode()
-
-
-def oci(where: Path, layers, config=None, *, tag="v1", config_raw=None, lie=None) -> str:
-    """An OCI layout of ``layers`` (uncompressed tars, stored gzip); ``lie`` changes
-    what the layout claims after it is built (a callable of the layout's paths)."""
-    blobs = where / "blobs" / "sha256"
-    blobs.mkdir(parents=True)
-
-    def put(data: bytes) -> dict:
-        (blobs / sha(data)[7:]).write_bytes(data)
-        return {"digest": sha(data), "size": len(data)}
-    cfg = config_raw if config_raw is not None else config_of(layers, config)
-    packed = [gzip.compress(raw, compresslevel=1) for raw in layers]
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": dict(put(cfg), mediaType="application/vnd.oci.image.config.v1+json"),
-        "layers": [dict(put(p), mediaType="application/vnd.oci.image.layer.v1.tar+gzip")
-                   for p in packed]}).encode()
-    (where / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    index = {"schemaVersion": 2, "manifests": [dict(
-        put(manifest), mediaType="application/vnd.oci.image.manifest.v1+json",
-        annotations={"org.opencontainers.image.ref.name": tag})]}
-    (where / "index.json").write_text(json.dumps(index))
-    if lie:
-        lie(where, blobs, manifest, cfg, packed)
-    return "oci:%s:%s" % (where, tag)
-
-
-def docker_archive(path: Path, layers, config=None, *, config_raw=None, members=()) -> str:
-    """A ``docker save`` archive of ``layers``; ``members`` are added to it as they are."""
-    cfg = config_raw if config_raw is not None else config_of(layers, config)
-    names = ["%d/layer.tar" % i for i in range(len(layers))]
-    with tarfile.open(path, "w") as tar:
-        def add(name: str, data: bytes) -> None:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        add("config.json", cfg)
-        for name, raw in zip(names, layers):
-            add(name, raw)
-        for info, data in members:
-            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
-        if not any(info.name == "manifest.json" for info, _ in members):
-            add("manifest.json", json.dumps([{"Config": "config.json", "Layers": names}]).encode())
-    return "docker-archive:%s" % path
-
-
-def image_of(kind: str, where: Path, layers, config=None) -> str:
-    if kind == "oci":
-        return oci(where / "layout", layers, config)
-    return docker_archive(where / "image.tar", layers, config)
-
-
-# --------------------------------------------------------------------------- the host
 @pytest.fixture
 def host(tmp_path):
-    """A host directory outside every cache: a 0700 directory holding a 0600 canary,
-    a passwd naming ``t4user`` and a config whose Env is a secret."""
-    secret = tmp_path / "host" / "secret"
-    secret.mkdir(parents=True)
-    secret.chmod(0o700)
-    canary = secret / "canary"
-    canary.write_bytes(SECRET)
-    canary.chmod(0o600)
-    (secret / "passwd").write_text("t4user:x:4242:4343::/:/bin/sh\n")
-    (secret / "config.json").write_bytes(config_of([BASE], {"Env": ["STOLEN=yes"]}))
-    return secret
+    return make_host(tmp_path)
 
 
-def snapshot(root: Path, skip=("cache-",)) -> dict:
-    """Every path under ``root`` (not following links) with its kind, size and content
-    digest, but those under a cache (named ``cache-*``)."""
-    seen = {}
-    for top, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(skip)]
-        for name in dirs + files:
-            path = os.path.join(top, name)
-            st = os.lstat(path)
-            digest = hashlib.sha256(open(path, "rb").read()).hexdigest() \
-                if stat.S_ISREG(st.st_mode) else ""
-            seen[path] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_nlink, digest)
-    return seen
-
-
-class Unchanged:
-    """The host below ``root`` is the same after the block as before it."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def __enter__(self):
-        self.before = snapshot(self.root)
-        return self
-
-    def __exit__(self, *exc):
-        after = snapshot(self.root)
-        assert after == self.before, "the host changed: %r" % sorted(
-            set(after.items()) ^ set(self.before.items()))
-
-
-def bounded(call, timeout=PREPARE_TIMEOUT_S):
-    """``call()`` on a thread, its result or exception; a hang fails the test."""
-    result = {}
-
-    def run():
-        try:
-            result["value"] = call()
-        except BaseException as exc:  # handed to the test
-            result["error"] = exc
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), "still reading after %d s: a read without bound" % timeout
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def prepare(path: str, tmp_path: Path, image: str, **kw):
-    cache = ImageCache(tmp_path / ("cache-%s" % path), prefer_tools=(path == "tools"), **kw)
-    return bounded(lambda: cache.prepare(image))
-
-
-def refused(path, tmp_path, image, *words, **kw):
-    with pytest.raises(ProviderError) as err:
-        prepare(path, tmp_path, image, **kw)
-    assert err.value.kind == "fatal", err.value
-    for word in words:
-        assert word in str(err.value), err.value
-    return str(err.value)
+PATHS = ["tools", "builtin"]
 
 
 # --------------------------------------------------------------------------- dir: images
@@ -581,3 +421,112 @@ def test_a_pool_refuses_dir_images_outside_its_roots_and_serves_those_inside(
             assert ray.get(sb.exec.remote("cat /etc/os-release")).stdout.startswith(b"ID=busybox")
     finally:
         sandman.shutdown_pool(pool)
+
+
+# --------------------------------------------------------------------------- at every level
+# Each hostile image started as a sandbox, through the providers: a LocalProvider
+# sandbox (its image prepared by the ImageCache) with the default isolation, with a
+# network, under gVisor; and a DockerProvider container of the image as ``docker
+# load`` hands it to the engine (its import path).
+LEVELS = ("local", "local-network", "local-gvisor", "docker")
+LOADED = "localhost/sandman-escape/hostile-%s:1"
+
+
+def rootfs_layer(rootfs) -> bytes:
+    """The directory ``rootfs`` as an uncompressed layer (owners root's)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(str(rootfs), arcname=".", filter=lambda m: (setattr(m, "uid", 0),
+                                                            setattr(m, "gid", 0), m)[-1])
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def level_host(tmp_path_factory):
+    return make_host(tmp_path_factory.mktemp("level-host"))
+
+
+@pytest.fixture(scope="module")
+def hostile_images(busybox_rootfs, level_host, tmp_path_factory):
+    """Two images over the busybox rootfs: ``aims`` aims at the host (members that
+    climb out, links to the host's directory and its /etc/shadow, a device node); and
+    ``user`` names a user that only a host passwd holds, its own passwd a link there.
+    Each as an OCI layout and a ``docker save`` archive tagged for the engine."""
+    where = tmp_path_factory.mktemp("hostile-levels")
+    base = rootfs_layer(busybox_rootfs)
+    aims = layer(entry("../../../../../../%s/dotdot" % level_host, data=b"dotdot\n"),
+                 entry("abs", "symlink", link=str(level_host)),
+                 entry("abs/planted", data=b"planted\n"),
+                 entry("hostshadow", "symlink", link="/etc/shadow"),
+                 entry("dev", "dir", mode=0o755), entry("dev/mem", "chr", devmajor=1))
+    user = layer(entry("etc/passwd", "symlink", link=str(level_host / "passwd")))
+    images = {}
+    for name, top, config in (("aims", aims, {"Env": ["PATH=/bin"]}),
+                              ("user", user, {"Env": ["PATH=/bin"], "User": "t4user"})):
+        layers = [base, top]
+        manifest = json.dumps([{"Config": "config.json", "RepoTags": [LOADED % name],
+                                "Layers": ["%d/layer.tar" % i for i in range(2)]}]).encode()
+        images[name] = {
+            "oci": oci(where / name, layers, config),
+            "archive": docker_archive(where / ("%s.tar" % name), layers, config,
+                                      members=[entry("manifest.json", data=manifest)])}
+    return images
+
+
+@contextlib.contextmanager
+def box_at(level, request, images, name):
+    """A sandbox of hostile image ``name`` at ``level``."""
+    from conftest import LOCAL_CACHE, LOCAL_STATE, Sandbox, run, shared_ray
+    from sandman_ray.spec import SandboxSpec
+    shared_ray()
+    if level == "docker":
+        engine = request.getfixturevalue("engine")
+        engine.podman("load", "-i", images[name]["archive"][len("docker-archive:"):])
+        with Sandbox(request.getfixturevalue("docker_provider"), LOADED % name) as sb:
+            yield sb
+        return
+    from sandman_ray.providers.local import LocalProvider
+    provider = LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                             isolation="gvisor" if level == "local-gvisor" else "namespaces"
+                             ).bind("hostile-%s" % os.urandom(3).hex())
+    try:
+        spec = SandboxSpec(image=images[name]["oci"], network=level == "local-network")
+        with Sandbox(provider, spec) as sb:
+            yield sb
+    finally:
+        run(provider.shutdown())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hostile_image_reaches_nothing_of_the_host_at_any_level(request, level,
+                                                                   hostile_images, level_host):
+    """Its members that climbed out and its links to the host resolve inside the
+    sandbox's own root (under gVisor, /tmp is a tmpfs of its own over them); the
+    host's canary and /etc/shadow are not read through them; no device node is made;
+    the host's directory is unchanged."""
+    shadow = open("/etc/shadow", "rb").read()
+    with Unchanged(level_host.parent), box_at(level, request, hostile_images, "aims") as sb:
+        out = sb.client.exec(["/bin/sh", "-c",
+                              "cat /abs/planted %s/canary /hostshadow; ls -l /dev/mem; "
+                              "echo end" % level_host]).stdout
+    assert out.endswith(b"end\n"), out
+    assert SECRET not in out and (not shadow.strip() or shadow.strip() not in out)
+    assert not out.startswith(b"c") and b"\nc" not in out  # no character device listed
+    assert sorted(os.listdir(level_host)) == ["canary", "config.json", "passwd"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_images_user_is_never_read_from_a_host_passwd_at_any_level(request, level,
+                                                                       hostile_images):
+    """The image's user is looked up in its own passwd, which is a link to the host's
+    directory: the link resolves inside, where no such user is, so the sandbox is
+    refused (or, where an engine allows it, runs as someone else): never as the host
+    file's 4242."""
+    from sandman_ray.errors import ProviderError
+    try:
+        with box_at(level, request, hostile_images, "user") as sb:
+            ids = sb.client.exec(["/bin/sh", "-c", "id -u; id -g"]).stdout.split()
+    except ProviderError as exc:
+        assert "t4user" in str(exc) or "user" in str(exc), exc
+    else:
+        assert b"4242" not in ids and b"4343" not in ids, ids

@@ -77,7 +77,8 @@ class PoolActor:
     # task events, and the record costs the pool's process memory.
     async def lease(self, spec, client: Optional[str] = None, timeout_s: float = 60.0,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
-                    lease_id: Optional[str] = None, node: Optional[str] = None):
+                    lease_id: Optional[str] = None, node: Optional[str] = None,
+                    keepalive_s: Optional[float] = None):
         """A Lease (``Reconciler.lease``). ``spec`` alone as bytes: the whole request
         packed (``pack_lease_request``), and the lease packed in the answer: the
         acquire's path (each argument Ray serializes costs a call ~0.3 ms here)."""
@@ -86,7 +87,7 @@ class PoolActor:
             lease = await pool.lease(*unpack_lease_request(spec))
         else:
             lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
-                                     node)
+                                     node, keepalive_s)
         controller = pool.provider.controller(lease.node_id)
         if pool.config.pause_between_steps or controller:
             lease = dataclasses.replace(lease, controller=controller,
@@ -108,6 +109,12 @@ class PoolActor:
         """``touch`` for each (lease id, holder) in ``leases`` (sandman_ray.touches: a
         process's round); how many were leases of this pool held by their holder."""
         return (await self._started()).touch_many(leases)
+
+    @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
+    async def keep_many(self, leases: list) -> int:
+        """Keep each (lease id, holder) of ``leases`` alive (``Reconciler.keep_many``);
+        how many were."""
+        return (await self._started()).keep_many(leases)
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def release(self, lease_id, holder: Optional[str] = None) -> bool:

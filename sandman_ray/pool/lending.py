@@ -11,7 +11,12 @@ from typing import Optional
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld
 from sandman_ray.pool.states import Lease, Sandbox, State, reachable
 from sandman_ray.pool.waiters import Waiter
-from sandman_ray.spec import ANYWHERE, SandboxSpec
+from sandman_ray.spec import ANYWHERE, MIN_IDLE_TIMEOUT_S, SandboxSpec
+
+# a lease kept alive by its caller (a client of the service): no shorter than an idle
+# timeout may be (the calls of its host reach the pool in rounds, touches.py), at most
+# an hour
+MIN_KEEPALIVE_S, MAX_KEEPALIVE_S = MIN_IDLE_TIMEOUT_S, 3600.0
 
 
 class Lending:
@@ -20,7 +25,8 @@ class Lending:
 
     async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
-                    lease_id: Optional[str] = None, node: Optional[str] = None) -> Lease:
+                    lease_id: Optional[str] = None, node: Optional[str] = None,
+                    keepalive_s: Optional[float] = None) -> Lease:
         """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
 
         holder: the name of the handle host that will hold the lease. When the sandbox
@@ -33,24 +39,43 @@ class Lending:
         node: where the sandbox runs. None: on ``holder_node`` when one is ready or can
             be created there (a sandbox ready elsewhere is lent rather than waited for);
             ``"anywhere"``: wherever the provider places it; a Ray node id: on that
-            node only."""
+            node only.
+        keepalive_s: the lease lasts while its caller keeps it alive (a call through
+            its holder, or ``keep_many``) at least this often, whether or not its host
+            lives: a client outside Ray, which the service's gateway holds leases for.
+            None: it lasts while its host lives. An acquire asked again with the same
+            ``lease_id`` and client (a retry after a timeout or a cut connection)
+            waits for the same lease, never a second sandbox."""
+        if keepalive_s is not None and (isinstance(keepalive_s, bool) or not isinstance(
+                keepalive_s, (int, float)) or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S):
+            raise ValueError("keepalive_s must be a number of seconds from %g to %g, got %r"
+                             % (MIN_KEEPALIVE_S, MAX_KEEPALIVE_S, keepalive_s))
         spec = self.config.limited(SandboxSpec.of(spec))
         want, only = await self._placement(node, holder_node)
         if lease_id is None:
             lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
         else:
             served = self.records.leased(lease_id)
-            if served is not None and (served.holder == holder or not served.registered_at):
-                return served.lease  # asked again after a restart of the pool: served
+            if served is not None and (served.holder == holder or not served.registered_at
+                                       or (keepalive_s and served.client == client)):
+                return served.lease  # asked again (a retry, a restart of the pool): served
             if lease_id in self.ended:  # cancelled (perhaps before it was asked), or over
                 raise AcquireTimeout("pool %s: lease %s: %s"
                                      % (self.name, lease_id, self.ended[lease_id]))
-            if lease_id in self.waiting or served is not None:
+            waiting = self.waiting.get(lease_id)
+            if keepalive_s and waiting is not None and waiting.client == client:
+                # a retry while the first still waits: the same lease when it comes
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiting.future), timeout_s)
+                except asyncio.TimeoutError:
+                    raise AcquireTimeout("pool %s: lease %s: still waiting after %.1f s"
+                                         % (self.name, lease_id, timeout_s)) from None
+            if waiting is not None or served is not None:
                 raise ValueError("lease id %s is taken" % lease_id)
         loop = asyncio.get_running_loop()
         now = self.clock.monotonic()
         waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
-                        holder, holder_node, want, only)
+                        holder, holder_node, want, only, float(keepalive_s or 0.0))
         self.waiters.push(waiter)
         self.waiting[lease_id] = waiter
         self.lend(spec)  # a warm sandbox is lent at once, without waiting for a tick
@@ -129,8 +154,21 @@ class Lending:
         if rec is None:
             return False
         self._check_holder(rec, holder, "touch")
-        rec.last_used = self.clock.monotonic()
+        rec.last_used = rec.kept_at = self.clock.monotonic()
         return True
+
+    def keep_many(self, leases) -> int:
+        """Keep alive each (lease id, holder) of ``leases``: a client's keepalive, which
+        renews a lease's ``keepalive_s`` but not its idle timeout (only calls do). A
+        lease that ended or that another holder holds is passed over; how many were
+        kept."""
+        kept, now = 0, self.clock.monotonic()
+        for lease_id, holder in leases:
+            rec = self.records.leased(lease_id)
+            if rec is not None and (holder is None or rec.holder in (None, holder)):
+                rec.kept_at = now
+                kept += 1
+        return kept
 
     def touch_many(self, leases) -> int:
         """``touch`` for each (lease id, holder); a lease that ended or that another
@@ -193,10 +231,12 @@ class Lending:
         now = self.clock.monotonic()
         info = rec.info
         lease = Lease(waiter.lease_id, rec.sandbox_id, info.address, info.token,
-                      info.node_id, self.name, waiter.client, self.clock.time())
+                      info.node_id, self.name, waiter.client, self.clock.time(),
+                      keepalive_s=waiter.keepalive_s)
         self.records.lend(rec, lease, waiter.client, None)
         rec.holder_seen, rec.registered_at = False, 0.0
-        rec.leased_at = rec.last_used = now
+        rec.leased_at = rec.last_used = rec.kept_at = now
+        rec.keepalive_s = waiter.keepalive_s
         offer = False
         if waiter.holder is not None:
             if waiter.holder_node is None:  # an actor to watch; any host may register

@@ -76,7 +76,9 @@ class Lease:
     leased_wall: when (wall clock); pause_between_steps: the pool's word to the
     integrations (PoolConfig); controller: the actor on the sandbox's node that pauses
     and resumes it for a caller showing the token (``Provider.controller``; None:
-    pauses go through the pool). The hosts that hold leases are the pool's record of
+    pauses go through the pool); keepalive_s: for a lease held for a caller outside Ray
+    (a client of the service), how long it lasts without a call or a keepalive (0: it
+    lasts while its host lives). The hosts that hold leases are the pool's record of
     them: a restarted pool asks them.
     """
 
@@ -90,14 +92,16 @@ class Lease:
     leased_wall: float = 0.0
     pause_between_steps: bool = False
     controller: Optional[str] = None
+    keepalive_s: float = 0.0
 
 
 def pack_lease_request(spec, client: str, timeout_s: float, holder: str, holder_node: str,
-                       lease_id: str, node: Optional[str] = None) -> bytes:
+                       lease_id: str, node: Optional[str] = None,
+                       keepalive_s: Optional[float] = None) -> bytes:
     """An acquire's request to the pool as one bytes argument (``PoolActor.lease``)."""
     from sandman_ray.daemon.sandmand.wire import pack
     return pack([spec if isinstance(spec, str) else spec.to_dict(), client, timeout_s,
-                 holder, holder_node, lease_id, node])
+                 holder, holder_node, lease_id, node, keepalive_s])
 
 
 def unpack_lease_request(data: bytes) -> list:
@@ -110,7 +114,7 @@ def pack_lease(lease: Lease) -> bytes:
     from sandman_ray.daemon.sandmand.wire import pack
     return pack([lease.lease_id, lease.sandbox_id, lease.address, lease.token,
                  lease.node_id, lease.pool, lease.client, lease.leased_wall,
-                 lease.pause_between_steps, lease.controller])
+                 lease.pause_between_steps, lease.controller, lease.keepalive_s])
 
 
 def unpack_lease(data: bytes) -> Lease:
@@ -138,6 +142,8 @@ class Sandbox:
     node_hint: Optional[str] = None  # the node it is created on for a waiter, if any
     indexed_node: Optional[str] = None  # the node Records indexes it under (its state's)
     paused: bool = False           # its holder paused it (pool/snapshots.py)
+    keepalive_s: float = 0.0       # a lease that lasts while kept alive (0: while held)
+    kept_at: float = 0.0           # its last call or keepalive (the pool's clock)
 
     @property
     def node(self) -> Optional[str]:

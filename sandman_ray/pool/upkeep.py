@@ -58,7 +58,12 @@ class Upkeep:
         still be starting). ``names``: the live hosts' names. A host seen alive once,
         or that answered an offer, is seen for every lease it holds, however new: its
         death ends them all at the next sweep; the grace is only for a host that
-        never appeared."""
+        never appeared. A lease kept alive by its caller (``keepalive_s``) lasts while
+        it is kept, whatever its host: a restart of the host costs it nothing."""
+        if rec.keepalive_s:
+            if now - rec.kept_at > rec.keepalive_s:
+                return "no call or keepalive for %g s" % rec.keepalive_s
+            return None
         alive = rec.holder is not None and rec.holder in names
         rec.holder_seen = rec.holder_seen or alive or rec.holder in self.hosts_seen
         if not alive and rec.holder_seen:
@@ -155,5 +160,7 @@ class Upkeep:
                 rec.holder_seen = True
                 rec.registered_at = now
                 rec.leased_at = rec.last_used = now - max(now_wall - lease.leased_wall, 0.0)
+                # kept alive by its caller: a restart of the pool grants it one period
+                rec.keepalive_s, rec.kept_at = lease.keepalive_s, now
             self._event(rec, "recovered as %s" % rec.state.value)
         logger.info("pool %s: recovered %d sandboxes", self.name, len(infos))

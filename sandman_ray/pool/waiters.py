@@ -19,6 +19,7 @@ class Waiter:
     holder_node: Optional[str] = None  # the node that host runs on
     want: Optional[str] = None  # the node it prefers a sandbox on (the caller's)
     only: Optional[str] = None  # the node its sandbox must be on (asked for)
+    keepalive_s: float = 0.0  # its lease lasts while kept alive (0: while held)
 
     @property
     def node(self) -> Optional[str]:

@@ -7,9 +7,12 @@
     sandman gc POOL [--dry-run]        delete sandboxes that no live handle holds
     sandman shutdown POOL              delete every sandbox of POOL and stop it
     sandman bench NAME [ARGS...]       run bench/NAME.py of a source checkout
+    sandman keys create|list|revoke    the service's API keys (service/commands.py)
+    sandman tenants set|list           the service's tenants, weights and limits
 
 It connects to a running cluster (``--address``, default ``auto``: the one on this
-machine, or ``$RAY_ADDRESS``) and never starts one.
+machine, or ``$RAY_ADDRESS``) and never starts one; ``bench``, ``keys`` and ``tenants``
+need none.
 """
 
 import argparse
@@ -374,11 +377,14 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark of the source tree")
     p.add_argument("name", help="noop, local, burst, k8s_burst")
     p.add_argument("args", nargs=argparse.REMAINDER)
+    from sandman_ray.service import commands as service_commands
+    service_commands.add_parsers(sub)
     return top
 
 
 COMMANDS = {"status": cmd_status, "list": cmd_list, "events": cmd_events, "gc": cmd_gc,
             "snapshots": cmd_snapshots, "shutdown": cmd_shutdown, "bench": cmd_bench}
+OFFLINE = ("bench", "keys", "tenants")  # the commands that need no Ray cluster
 
 
 def main(argv=None) -> int:
@@ -387,10 +393,13 @@ def main(argv=None) -> int:
         print("sandman: --limit must be at least 1", file=sys.stderr)
         return 2
     try:
-        if args.command != "bench":
+        if args.command not in OFFLINE:
             _connect(args.address)
+        if args.command in ("keys", "tenants"):
+            from sandman_ray.service.commands import COMMANDS as SERVICE_COMMANDS
+            return SERVICE_COMMANDS[args.command](args)
         return COMMANDS[args.command](args)
-    except CliError as exc:
+    except (CliError, ValueError) as exc:
         print("sandman: %s" % exc, file=sys.stderr)
         return 2
 

@@ -1,0 +1,4 @@
+"""sandman as a network service: one fleet for clients outside the pool's Ray cluster.
+
+``tenants.py``: the tenants and their API keys, on the head node's disk.
+"""

@@ -24,12 +24,15 @@ class DaemonClient(_Operations):
     get that plus ``REPLY_SLACK_S``); None waits as long as it takes.
     """
 
-    def __init__(self, address: str, token: str, *, connect_timeout: float = 10.0,
-                 default_timeout: Optional[float] = None, hello_first: bool = True):
+    def __init__(self, address: str, token: Optional[str], *, connect_timeout: float = 10.0,
+                 default_timeout: Optional[float] = None, hello_first: bool = True,
+                 sock: Optional[socket.socket] = None):
         """``hello_first`` False: send the hello and return without its answer, which
         comes with the first call's (a wrong token then fails that call with
         AuthError; the daemon runs nothing a connection sends before its hello is
-        accepted): a first call costs one round trip, not two."""
+        accepted): a first call costs one round trip, not two. ``sock``: a connection
+        whose hello was said already (the service's gateway said it, with a token the
+        client never sees: ``sandman_ray.remote``); ``address`` then only names it."""
         self.address = address
         self.default_timeout = default_timeout
         self._lock = threading.Lock()
@@ -37,6 +40,9 @@ class DaemonClient(_Operations):
         self._reader = FrameReader(MAX_FRAME)
         self._frames: List[bytes] = []
         self._timeout: Optional[float] = connect_timeout
+        if sock is not None:
+            self._sock = sock
+            return
         family, where = _parse_address(address)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:

@@ -1,0 +1,205 @@
+"""The service's data plane: a client's connection relayed to its lease's daemon.
+
+A client outside Ray reaches a sandbox through the gateway of the sandbox's node with
+one HTTP/1.1 request::
+
+    GET /v1/leases/<lease id>/connect HTTP/1.1
+    Authorization: Bearer sk_sandman_...
+    Connection: Upgrade
+    Upgrade: sandman-daemon/2
+
+The gateway checks the key, and that the lease is one its tenant holds (another
+tenant's lease answers 404, as one that never existed); it opens the daemon's socket
+and says the hello with the lease's token, which never leaves the gateway; then it
+answers ``101 Switching Protocols`` and relays bytes both ways, untouched: from there
+the connection is a daemon connection after its hello (daemon/docs/protocol.md), which
+the client drives with the same code as a direct one (``DaemonClient(sock=...)``).
+So an op costs what it costs directly, plus two copies in the gateway and the TCP hop.
+
+Everything before the 101 is bounded: a request head of at most HEAD_MAX bytes, read
+within HEAD_TIMEOUT_S; every refusal is an HTTP status with a JSON body naming the
+error, and the connection is closed.
+"""
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from sandman_ray.client.connection import _SocketPath, _hello_fields, _parse_address
+from sandman_ray.daemon.sandmand.wire import MAX_FRAME, FrameReader, encode_frame, unpack
+
+UPGRADE = "sandman-daemon/2"
+HEAD_MAX = 8192
+HEAD_TIMEOUT_S = 10.0
+DAEMON_TIMEOUT_S = 10.0
+CHUNK = 1 << 16
+_CONNECT = re.compile(r"^/v1/leases/([A-Za-z0-9_-]{1,128})/connect$")
+
+
+class Refused(Exception):
+    """An HTTP answer before any relay: status, the error's type and message."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout", 410: "Gone",
+            426: "Upgrade Required", 431: "Request Header Fields Too Large",
+            502: "Bad Gateway"}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A lease the gateway holds for a tenant: where its daemon is, and its token."""
+
+    tenant: str
+    address: str
+    token: str
+
+
+class Gateway:
+    """Relays the upgraded connections of tenants to the daemons of the leases they
+    hold. ``verify(key)``: the tenant of a live API key, else None
+    (``tenants.KeyStore.verify``); ``leases``: lease id -> Held, kept by whoever holds
+    the leases (the service)."""
+
+    def __init__(self, verify: Callable[[str], Optional[str]], leases: Dict[str, Held]):
+        self.verify = verify
+        self.leases = leases
+        self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.AbstractServer:
+        return await asyncio.start_server(self.handle, host, port, limit=HEAD_MAX)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection: its upgrade, then its relay until either side ends."""
+        daemon = None
+        try:
+            lease_id, held = await self._admit(reader)
+            daemon = await open_daemon(held.address, held.token)
+            writer.write(("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                          "Upgrade: %s\r\n\r\n" % UPGRADE).encode())
+            self.relays.setdefault(lease_id, set()).add(writer)
+            try:
+                await relay(reader, writer, *daemon)
+            finally:
+                self.relays.get(lease_id, set()).discard(writer)
+        except Refused as no:
+            body = json.dumps({"error": {"type": no.kind, "message": no.message}}).encode()
+            writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                         % (no.status, _REASONS[no.status].encode(), len(body), body))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away
+        finally:
+            if daemon is not None:
+                daemon[1].close()
+            writer.close()
+
+    async def _admit(self, reader: asyncio.StreamReader) -> Tuple[str, Held]:
+        method, target, headers = await read_head(reader)
+        found = _CONNECT.match(target)
+        if not found:
+            raise Refused(404, "NotFound", "no such route: %s" % target[:200])
+        if method != "GET":
+            raise Refused(405, "MethodNotAllowed", "connect is a GET")
+        auth = headers.get("authorization", "")
+        tenant = self.verify(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+        if tenant is None:
+            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+        if headers.get("upgrade", "").lower() != UPGRADE or \
+                "upgrade" not in headers.get("connection", "").lower():
+            raise Refused(426, "UpgradeRequired", "connect upgrades to %s" % UPGRADE)
+        lease_id = found.group(1)
+        held = self.leases.get(lease_id)
+        if held is None or held.tenant != tenant:
+            raise Refused(404, "LeaseNotFound", "no lease %s" % lease_id)
+        return lease_id, held
+
+    def cut(self, lease_id: str) -> int:
+        """Close the relays of ``lease_id`` (its lease ended); how many there were."""
+        writers = self.relays.pop(lease_id, set())
+        for writer in writers:
+            writer.close()
+        return len(writers)
+
+
+async def read_head(reader: asyncio.StreamReader) -> Tuple[str, str, Dict[str, str]]:
+    """(method, target, headers with lower-case names) of an HTTP/1.1 request head."""
+    try:
+        raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise Refused(408, "RequestTimeout",
+                      "no whole request head within %g s" % HEAD_TIMEOUT_S) from None
+    except asyncio.LimitOverrunError:
+        raise Refused(431, "HeadersTooLarge",
+                      "a request head is at most %d bytes" % HEAD_MAX) from None
+    try:
+        lines = raw.decode("latin-1").split("\r\n")
+        method, target, version = lines[0].split(" ")
+    except ValueError:
+        raise Refused(400, "BadRequest", "not an HTTP/1.1 request line") from None
+    if version != "HTTP/1.1":
+        raise Refused(400, "BadRequest", "HTTP/1.1 only, got %r" % version[:20])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise Refused(400, "BadRequest", "a malformed header line")
+            headers[name.lower()] = value.strip()
+    return method, target, headers
+
+
+async def open_daemon(address: str, token: str):
+    """(reader, writer) of a connection to the daemon at ``address`` after its hello
+    with ``token``; Refused(410) when the daemon does not answer or refuses it."""
+    family, where = _parse_address(address)
+    try:
+        if address.startswith("unix:"):
+            with _SocketPath(where) as path:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(path, limit=CHUNK), DAEMON_TIMEOUT_S)
+        else:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*where, limit=CHUNK), DAEMON_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise Refused(410, "SandboxLost", "its sandbox does not answer: %s" % exc) from None
+    try:
+        hello = _hello_fields(token)
+        hello["id"] = 0
+        writer.write(encode_frame(hello))
+        frames = FrameReader(MAX_FRAME)
+        got = []
+        while not got:
+            data = await asyncio.wait_for(reader.read(CHUNK), DAEMON_TIMEOUT_S)
+            if not data:
+                raise ConnectionError("closed at the hello")
+            got = frames.feed(data, one=True)
+        if not unpack(got[0]).get("ok") or frames.buf:
+            raise ConnectionError("the hello was refused")
+    except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+        writer.close()
+        raise Refused(410, "SandboxLost", "its sandbox does not answer: %s" % exc) from None
+    return reader, writer
+
+
+async def relay(c_reader, c_writer, d_reader, d_writer) -> None:
+    """Bytes both ways until either side closes; then both are closed."""
+    async def pipe(src, dst):
+        try:
+            while True:
+                data = await src.read(CHUNK)
+                if not data:
+                    break
+                dst.write(data)
+                await dst.drain()  # a slow reader holds its sender back
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            dst.close()
+    await asyncio.gather(pipe(c_reader, d_writer), pipe(d_reader, c_writer))

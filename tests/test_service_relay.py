@@ -148,3 +148,12 @@ def test_a_client_that_sends_its_head_slowly_or_never_costs_the_gateway_nothing(
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_the_remote_client_imports_no_ray():
+    """A client outside Ray: connecting through the gateway loads no Ray module."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, sandman_ray.remote.channel; "
+         "print(' '.join(m for m in sys.modules if m.split('.')[0] == 'ray'))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

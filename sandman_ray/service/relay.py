@@ -64,12 +64,13 @@ class Held:
 class Gateway:
     """Relays the upgraded connections of tenants to the daemons of the leases they
     hold. ``verify(key)``: the tenant of a live API key, else None
-    (``tenants.KeyStore.verify``); ``leases``: lease id -> Held, kept by whoever holds
-    the leases (the service)."""
+    (``tenants.KeyStore.verify``); ``find(lease id)``: the Held of a lease held, else
+    None (whoever holds the leases: the service)."""
 
-    def __init__(self, verify: Callable[[str], Optional[str]], leases: Dict[str, Held]):
+    def __init__(self, verify: Callable[[str], Optional[str]],
+                 find: Callable[[str], Optional[Held]]):
         self.verify = verify
-        self.leases = leases
+        self.find = find
         self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.AbstractServer:
@@ -115,7 +116,7 @@ class Gateway:
                 "upgrade" not in headers.get("connection", "").lower():
             raise Refused(426, "UpgradeRequired", "connect upgrades to %s" % UPGRADE)
         lease_id = found.group(1)
-        held = self.leases.get(lease_id)
+        held = self.find(lease_id)
         if held is None or held.tenant != tenant:
             raise Refused(404, "LeaseNotFound", "no lease %s" % lease_id)
         return lease_id, held

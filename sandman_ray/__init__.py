@@ -6,6 +6,13 @@
     with sandman.sandbox() as sb:   # builtin:debian
         ray.get(sb.exec.remote("echo hi"))
 
+From outside the pool's Ray cluster, through its service (``sandman serve``), with no
+Ray::
+
+    pool = sandman.connect("http://127.0.0.1:8470", api_key=KEY)
+    with pool.sandbox() as sb:
+        print(sb.exec("echo hi").stdout)
+
 The names below are imported on first use (``sandman_ray._lazy``): importing one
 module of the package does not load Ray.
 """
@@ -25,7 +32,8 @@ _EXPORTS = {
                            "DaemonError", "ExecTimeout", "LeaseEnded", "LeaseNotHeld",
                            "NotSupported", "ProtocolError", "ProviderError",
                            "ResultTooLarge", "SandboxLost", "SandboxPaused", "SandmanError",
-                           "SnapshotInUse"),
+                           "ServiceLimit", "SnapshotInUse"),
+    "sandman_ray.remote": ("connect",),
     "sandman_ray.providers.docker": ("DockerProvider",),
     "sandman_ray.providers.kubernetes": ("KubernetesProvider",),
     "sandman_ray.providers.local": ("LocalProvider",),

@@ -7,6 +7,7 @@
     sandman gc POOL [--dry-run]        delete sandboxes that no live handle holds
     sandman shutdown POOL              delete every sandbox of POOL and stop it
     sandman bench NAME [ARGS...]       run bench/NAME.py of a source checkout
+    sandman serve --pool POOL          serve POOL to clients outside Ray (service/)
     sandman keys create|list|revoke    the service's API keys (service/commands.py)
     sandman tenants set|list           the service's tenants, weights and limits
 
@@ -395,7 +396,7 @@ def main(argv=None) -> int:
     try:
         if args.command not in OFFLINE:
             _connect(args.address)
-        if args.command in ("keys", "tenants"):
+        if args.command in ("serve", "keys", "tenants"):
             from sandman_ray.service.commands import COMMANDS as SERVICE_COMMANDS
             return SERVICE_COMMANDS[args.command](args)
         return COMMANDS[args.command](args)

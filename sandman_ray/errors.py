@@ -117,3 +117,16 @@ class NotSupported(ProviderError):
 class SnapshotInUse(SandmanError):
     """A snapshot cannot be deleted while sandboxes leased from it still run; the
     message names their leases."""
+
+
+class ServiceLimit(SandmanError):
+    """The service refused for now (HTTP 429): the tenant holds or waits for its most
+    sandboxes, or acquires faster than its creates per second, or the pool is busy;
+    ``retry_after`` is the seconds the service asked to wait."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.retry_after))

@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 
 from sandman_ray.client.blocking import DaemonClient
 from sandman_ray.errors import (
-    AuthError, ConnectionLost, LeaseNotHeld, ProtocolError, SandboxLost, SandmanError)
+    AcquireTimeout, AuthError, ConnectionLost, LeaseEnded, LeaseNotHeld, ProtocolError,
+    ProviderError, SandboxLost, ServiceLimit)
 
 UPGRADE = "sandman-daemon/2"  # as service/relay.py answers it
 _HEAD_MAX = 8192
@@ -42,7 +43,7 @@ def connect_lease(url: str, api_key: str, lease_id: str, *, timeout: float = 10.
                       % (lease_id, parts.netloc, api_key, UPGRADE)).encode())
         status, body = _answer(sock)
         if status != 101:
-            raise _refusal(status, body, lease_id)
+            raise service_error(status, body)
     except BaseException:
         sock.close()
         raise
@@ -84,16 +85,31 @@ def _answer(sock) -> tuple:
     return status, rest
 
 
-def _refusal(status: int, body: bytes, lease_id: str) -> SandmanError:
+def service_error(status: int, data: bytes, retry_after: Optional[str] = None) -> Exception:
+    """The Python API's error for the service's refusal (``status``, its JSON body)."""
     try:
-        error = json.loads(body)["error"]
+        error = json.loads(data)["error"]
         kind, message = str(error["type"]), str(error["message"])
     except (ValueError, KeyError, TypeError):
-        kind, message = "Error", body[:200].decode("utf-8", "replace")
+        kind, message = "Error", data[:300].decode("utf-8", "replace")
+    if status == 400:
+        return ValueError(message)
     if status == 401:
-        return AuthError("the service refused the API key: %s" % message)
+        return AuthError(message)
+    if status == 403:
+        return PermissionError(message)
     if status == 404:
-        return LeaseNotHeld("lease %s is not one of this key's tenant: %s" % (lease_id, message))
+        return LeaseNotHeld(message)
+    if status == 408:
+        return AcquireTimeout(message)
     if status == 410:
-        return SandboxLost("lease %s: %s" % (lease_id, message))
+        return LeaseEnded(message) if kind == "LeaseEnded" else SandboxLost(message)
+    if status == 422 and kind in ("ProviderError", "NotSupported"):
+        return ProviderError(message, "fatal")
+    if status in (429, 503):
+        try:
+            wait = float(retry_after or 1)
+        except ValueError:
+            wait = 1.0
+        return ServiceLimit("%s: %s" % (kind, message), wait)
     return ProtocolError("the service answered %d %s: %s" % (status, kind, message))

@@ -1,6 +1,12 @@
-"""``sandman keys`` and ``sandman tenants``: the service's tenants and API keys, on this
-machine's key store (``--keys FILE``, else ``tenants.default_path()``). They need no Ray
-cluster: the store is a file the server reads.
+"""``sandman serve``, ``sandman keys`` and ``sandman tenants``: the service, and its
+tenants and API keys on this machine's key store (``--keys FILE``, else
+``tenants.default_path()``). ``keys`` and ``tenants`` need no Ray cluster: the store is
+a file the server reads.
+
+    sandman serve --pool NAME [--host 127.0.0.1] [--port 8470] [--data-port 8471]
+                  [--tls-cert F --tls-key F] [--insecure] [--keys FILE]
+                                                 serve POOL until Ctrl-C (or SIGTERM)
+    sandman serve --pool NAME --stop             stop a service left running
 
     sandman keys create TENANT [--label TEXT]   a new key, printed once
     sandman keys list [--tenant TENANT] [--json] ids, tenants, labels, never a secret
@@ -16,6 +22,18 @@ from sandman_ray.service.tenants import KeyStore, default_path
 
 
 def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="serve POOL to clients outside Ray, until Ctrl-C")
+    serve.add_argument("--pool", required=True)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8470, help="the control plane's (0: any)")
+    serve.add_argument("--data-port", type=int, default=8471, help="the data plane's (0: any)")
+    serve.add_argument("--tls-cert")
+    serve.add_argument("--tls-key")
+    serve.add_argument("--insecure", action="store_true",
+                       help="listen beyond loopback without TLS (keys cross in the clear)")
+    serve.add_argument("--keys", help="the key store (default: %s)" % default_path())
+    serve.add_argument("--stop", action="store_true", help="stop the service of POOL")
     keys = sub.add_parser("keys", help="the service's API keys (no cluster needed)")
     keys.add_argument("--keys", help="the key store (default: %s)" % default_path())
     verbs = keys.add_subparsers(dest="verb", required=True)
@@ -38,6 +56,44 @@ def add_parsers(sub) -> None:
     p.add_argument("--creates-per-s", type=float)
     p = verbs.add_parser("list")
     p.add_argument("--json", action="store_true")
+
+
+def cmd_serve(args) -> int:
+    """Start the service of ``--pool`` (a detached actor on this node), print its
+    URLs, and stop it at Ctrl-C or SIGTERM: its leases are given back."""
+    import ipaddress
+    import signal
+    import threading
+    from sandman_ray.service.host import start_service, stop_service
+    if args.stop:
+        print("stopped; %d leases given back" % stop_service(args.pool))
+        return 0
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("give --tls-cert and --tls-key together")
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback and not args.tls_cert and not args.insecure:
+        raise ValueError("--host %s is reachable from other machines: give --tls-cert and "
+                         "--tls-key, or --insecure to send API keys in the clear"
+                         % args.host)
+    for port in (args.port, args.data_port):
+        if not 0 <= port <= 65535:
+            raise ValueError("a port is 0 to 65535, got %d" % port)
+    from sandman_ray.lookup import get_pool
+    get_pool(args.pool)  # a pool that does not exist is said now, by name
+    keys = str(args.keys or default_path())
+    KeyStore(keys).close()  # made (root's alone) before the actor opens it
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls)
+    print(json.dumps(dict(urls, pool=args.pool)), flush=True)
+    done = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: done.set())
+    done.wait()
+    stop_service(args.pool)
+    return 0
 
 
 def cmd_keys(args) -> int:
@@ -89,4 +145,4 @@ def _when(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
 
 
-COMMANDS = {"keys": cmd_keys, "tenants": cmd_tenants}
+COMMANDS = {"serve": cmd_serve, "keys": cmd_keys, "tenants": cmd_tenants}

@@ -65,16 +65,20 @@ class Gateway:
     """Relays the upgraded connections of tenants to the daemons of the leases they
     hold. ``verify(key)``: the tenant of a live API key, else None
     (``tenants.KeyStore.verify``); ``find(lease id)``: the Held of a lease held, else
-    None (whoever holds the leases: the service)."""
+    None (whoever holds the leases: the service); ``used(lease id)``, if given: called
+    as a client's bytes pass to the daemon (the lease is in use)."""
 
     def __init__(self, verify: Callable[[str], Optional[str]],
-                 find: Callable[[str], Optional[Held]]):
+                 find: Callable[[str], Optional[Held]],
+                 used: Optional[Callable[[str], None]] = None):
         self.verify = verify
         self.find = find
+        self.used = used
         self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.AbstractServer:
-        return await asyncio.start_server(self.handle, host, port, limit=HEAD_MAX)
+    async def serve(self, host: str = "127.0.0.1", port: int = 0,
+                    ssl=None) -> asyncio.AbstractServer:
+        return await asyncio.start_server(self.handle, host, port, limit=HEAD_MAX, ssl=ssl)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection: its upgrade, then its relay until either side ends."""
@@ -86,7 +90,8 @@ class Gateway:
                           "Upgrade: %s\r\n\r\n" % UPGRADE).encode())
             self.relays.setdefault(lease_id, set()).add(writer)
             try:
-                await relay(reader, writer, *daemon)
+                await relay(reader, writer, *daemon,
+                            used=(lambda: self.used(lease_id)) if self.used else None)
             finally:
                 self.relays.get(lease_id, set()).discard(writer)
         except Refused as no:
@@ -189,18 +194,22 @@ async def open_daemon(address: str, token: str):
     return reader, writer
 
 
-async def relay(c_reader, c_writer, d_reader, d_writer) -> None:
-    """Bytes both ways until either side closes; then both are closed."""
-    async def pipe(src, dst):
+async def relay(c_reader, c_writer, d_reader, d_writer,
+                used: Optional[Callable[[], None]] = None) -> None:
+    """Bytes both ways until either side closes; then both are closed. ``used`` is
+    called as the client's bytes pass."""
+    async def pipe(src, dst, note=None):
         try:
             while True:
                 data = await src.read(CHUNK)
                 if not data:
                     break
+                if note is not None:
+                    note()
                 dst.write(data)
                 await dst.drain()  # a slow reader holds its sender back
         except (ConnectionError, OSError):
             pass
         finally:
             dst.close()
-    await asyncio.gather(pipe(c_reader, d_writer), pipe(d_reader, c_writer))
+    await asyncio.gather(pipe(c_reader, d_writer, used), pipe(d_reader, c_writer))

@@ -1,0 +1,265 @@
+"""The service's actor: it holds the leases of its tenants and serves them over the
+network (``sandman serve``).
+
+One ServiceHost per pool, a detached Ray actor on the node it was started from, named
+under the handle hosts' prefix: to the pool it is the holder of every lease it took for
+a tenant (``_HandleHost``: offered, told when a lease ends, asked by a restarted pool),
+so leasing, pacing, fairness and reclaiming are the pool's own. Its leases are kept
+alive by their callers (``keepalive_s``): a relayed call or a keepalive renews one, and
+a client that stops (SIGKILLed, cut off) loses its leases within that time plus one
+sweep of the pool.
+
+It listens twice: the control plane (service/http.py, aiohttp) and the data plane
+(service/relay.py), both on ``host``. Its sandboxes are on its own node, where the
+daemons' sockets are (gateways on other nodes are to come).
+"""
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from typing import Dict, Optional, Tuple
+
+import ray
+
+from sandman_ray import touches
+from sandman_ray.host import HOST_CALLS, _HandleHost
+from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
+from sandman_ray.pool.states import pack_lease_request, unpack_lease
+from sandman_ray.service.http import Refusal
+from sandman_ray.service.relay import Gateway, Held
+from sandman_ray.service.tenants import KeyStore
+from sandman_ray.spec import SandboxSpec, parse_image
+
+SERVICE_PREFIX = HOST_PREFIX + "svc-"
+CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
+FAILED_KEYS_SLOWED_AFTER = 5  # failed keys from one address a minute before each is slowed
+
+
+def service_name(pool: str) -> str:
+    return SERVICE_PREFIX + pool
+
+
+class _Bucket:
+    """Creates per second of one tenant: a token bucket of a second's worth."""
+
+    def __init__(self, rate: float):
+        self.rate, self.tokens, self.at = rate, max(1.0, rate), time.monotonic()
+
+    def take(self) -> Optional[float]:
+        """None when a create may go now, else the seconds to wait."""
+        now = time.monotonic()
+        self.tokens = min(max(1.0, self.rate), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return None
+        return (1.0 - self.tokens) / self.rate
+
+
+class ServiceHost(_HandleHost):
+    """See the module's docstring."""
+
+    async def start(self, pool: str, keys_path: str, host: str, port: int,
+                    data_port: int, tls: Optional[Tuple[str, str]] = None) -> Dict[str, str]:
+        """Listen (with TLS: ``tls`` the certificate's and its key's files); the
+        control plane's and the data plane's URLs."""
+        import ssl
+        from aiohttp import web
+        from sandman_ray.service.http import app
+        context = None
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(*tls)
+        scheme = "https" if context else "http"
+        self.pool = pool
+        self.keys = KeyStore(keys_path)
+        self.secret = secrets.token_bytes(32)  # request ids -> lease ids, per incarnation
+        self.served: Dict[str, Tuple[str, object]] = {}  # lease id -> (tenant, Lease)
+        self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
+        self.buckets: Dict[str, _Bucket] = {}
+        self.failures: Dict[str, list] = {}  # address -> times of its failed keys
+        self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
+        self.gateway = Gateway(self.keys.verify, self._find, self._used)
+        self.data = await self.gateway.serve(host, data_port, ssl=context)
+        runner = web.AppRunner(app(self, self.keys.verify), access_log=None,
+                               handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, ssl_context=context)
+        await site.start()
+        self.runner = runner
+        self.urls = {"url": "%s://%s:%d" % (scheme, host, runner.addresses[0][1]),
+                     "data_url": "%s://%s:%d" % (scheme, host,
+                                                 self.data.sockets[0].getsockname()[1])}
+        return self.urls
+
+    async def stop(self) -> int:
+        """Stop listening and give back every lease; how many there were."""
+        self.data.close()
+        await self.runner.cleanup()
+        ids = list(self.served)
+        for lease_id in ids:
+            await self.release(lease_id, self.pool)
+        self.served.clear()
+        self.keys.close()
+        return len(ids)
+
+    # ---- what the relay asks
+    def _find(self, lease_id: str) -> Optional[Held]:
+        served = self.served.get(lease_id)
+        if served is None:
+            return None
+        tenant, lease = served
+        return Held(tenant, lease.address, lease.token)
+
+    def _used(self, lease_id: str) -> None:
+        """A relayed call: the lease is in use, and kept alive (touches.py: one round a
+        second to the pool)."""
+        touches.note(self._pool(self.pool), lease_id, self.name)
+
+    # ---- the control plane's core (service/http.py)
+    async def acquire(self, tenant: str, spec: SandboxSpec, timeout_s: float,
+                      keepalive_s: float, request_id: Optional[str]) -> dict:
+        self._allowed(spec)
+        limits = self.keys.tenant(tenant) or {}
+        held = sum(1 for t, _ in self.served.values() if t == tenant)
+        most = limits.get("max_sandboxes")
+        if most is not None and held + self.waiting.get(tenant, 0) >= most:
+            raise Refusal(429, "TenantLimit", "tenant %s holds or waits for %d sandboxes, its "
+                          "most" % (tenant, most), retry_after=1.0)
+        rate = limits.get("creates_per_s")
+        if rate:
+            bucket = self.buckets.get(tenant)
+            if bucket is None or bucket.rate != rate:
+                bucket = self.buckets[tenant] = _Bucket(rate)
+            wait = bucket.take()
+            if wait is not None:
+                raise Refusal(429, "TenantLimit", "tenant %s may acquire %g sandboxes a second"
+                              % (tenant, rate), retry_after=wait)
+        if request_id is None:
+            lease_id = "L-" + secrets.token_hex(16)
+        else:  # the same request id of the same tenant: the same lease, never a second
+            lease_id = "L-" + hmac.new(self.secret, ("%s\0%s" % (tenant, request_id)).encode(),
+                                       hashlib.sha256).hexdigest()[:32]
+            served = self.served.get(lease_id)
+            if served is not None:
+                return self._described(lease_id, served[1])
+        self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
+        try:
+            packed = await self._tell_pool(self.pool, "lease", pack_lease_request(
+                spec, CLIENT_PREFIX + tenant, timeout_s, self.name, self.node, lease_id,
+                self.node, keepalive_s))
+        finally:
+            self.waiting[tenant] -= 1
+        lease = unpack_lease(packed)
+        self.served[lease_id] = (tenant, lease)
+        return self._described(lease_id, lease)
+
+    @staticmethod
+    def _allowed(spec: SandboxSpec) -> None:
+        """What a tenant may not ask of the node: the host's files, or the kernel's
+        calls the policy refuses."""
+        kind, _, _ = parse_image(spec.image)
+        if kind in ("host", "dir"):
+            raise Refusal(403, "Forbidden", "image %r: a tenant of the service runs images, "
+                          "not the host's files" % spec.image)
+        if spec.capabilities or spec.network_allow:
+            raise Refusal(403, "Forbidden", "capabilities and network_allow are the "
+                          "operator's: a tenant of the service may not ask for them")
+
+    def _described(self, lease_id: str, lease) -> dict:
+        """A lease as a tenant sees it: never its daemon's address or token."""
+        return {"lease_id": lease_id, "sandbox_id": lease.sandbox_id, "node_id": lease.node_id,
+                "pool": lease.pool, "keepalive_s": lease.keepalive_s,
+                "leased_at": lease.leased_wall, "data_url": self.urls["data_url"],
+                "connect": "/v1/leases/%s/connect" % lease_id}
+
+    def _mine(self, tenant: str, lease_id: str):
+        served = self.served.get(lease_id)
+        if served is None or served[0] != tenant:
+            reason = self.ended.get(lease_id) if lease_id in self.ended else None
+            if reason is not None and self.ended_for.get(lease_id) == tenant:
+                raise Refusal(410, "LeaseEnded", "lease %s ended: %s" % (lease_id, reason))
+            raise Refusal(404, "LeaseNotFound", "no lease %s" % lease_id)
+        return served[1]
+
+    def leases_of(self, tenant: str) -> list:
+        return [self._described(i, lease) for i, (t, lease) in self.served.items() if t == tenant]
+
+    def lease_of(self, tenant: str, lease_id: str) -> dict:
+        return self._described(lease_id, self._mine(tenant, lease_id))
+
+    async def give_back(self, tenant: str, lease_id: str) -> None:
+        self._mine(tenant, lease_id)
+        await self.release(lease_id, self.pool)
+
+    async def keep(self, tenant: str, lease_id: str) -> None:
+        self._mine(tenant, lease_id)
+        kept = await self._tell_pool(self.pool, "keep_many", [(lease_id, self.name)])
+        if not kept:
+            raise Refusal(410, "LeaseEnded", "lease %s ended" % lease_id)
+
+    async def status_of(self, tenant: str) -> dict:
+        pool = await self._tell_pool(self.pool, "status")
+        return {"tenant": tenant, "leases": len(self.leases_of(tenant)),
+                "limits": {k: v for k, v in (self.keys.tenant(tenant) or {}).items()
+                           if k in ("weight", "max_sandboxes", "creates_per_s")},
+                "pool": {k: pool.get(k) for k in ("name", "states", "waiting") if k in pool}}
+
+    async def failed_key(self, address: Optional[str]) -> None:
+        """A request without a valid key from ``address``: after a few a minute, each
+        more one waits, longer and longer (at most 5 s), before its 401."""
+        now = time.monotonic()
+        seen = [t for t in self.failures.get(address or "", []) if now - t < 60.0][-64:]
+        seen.append(now)
+        if len(self.failures) > 10000:
+            self.failures.clear()
+        self.failures[address or ""] = seen
+        extra = len(seen) - FAILED_KEYS_SLOWED_AFTER
+        if extra > 0:
+            await asyncio.sleep(min(0.1 * 2 ** extra, 5.0))
+
+    # ---- the pool's word (``_HandleHost``): an ended lease's relays are cut
+    def _take(self, lease_id: str, reason: str = "released by its holder"):
+        served = self.served.pop(lease_id, None)
+        if served is not None:
+            if len(self.ended_for) > 4096:
+                self.ended_for.clear()
+            self.ended_for[lease_id] = served[0]
+            self.gateway.cut(lease_id)
+        return super()._take(lease_id, reason)
+
+
+RemoteServiceHost = ray.remote(num_cpus=0, max_restarts=0,
+                               max_concurrency=HOST_CALLS)(ServiceHost)
+
+
+def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int = 0,
+                  data_port: int = 0,
+                  tls: Optional[Tuple[str, str]] = None) -> Tuple[object, Dict[str, str]]:
+    """The service of ``pool`` on this node, started (detached: it outlives the
+    process that started it, until ``stop_service``); (its actor, its URLs)."""
+    actor = RemoteServiceHost.options(
+        name=service_name(pool), namespace=NAMESPACE, lifetime="detached",
+        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    try:
+        urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls))
+    except BaseException:
+        ray.kill(actor)
+        raise
+    return actor, urls
+
+
+def stop_service(pool: str) -> int:
+    """Stop the service of ``pool``: its leases given back, its actor gone."""
+    try:
+        actor = ray.get_actor(service_name(pool), namespace=NAMESPACE)
+    except ValueError:
+        return 0
+    try:
+        return ray.get(actor.stop.remote())
+    finally:
+        ray.kill(actor)

@@ -1,0 +1,181 @@
+"""The service's control plane over HTTP: routes, their checks and their errors.
+
+Every route but ``/v1/openapi.json`` and ``/v1/healthz`` needs ``Authorization: Bearer
+<API key>``. A body is JSON of at most BODY_MAX bytes. Every refusal is a status and
+``{"error": {"type": ..., "message": ...}}``, ``type`` naming the error as the Python
+API raises it; another tenant's lease answers 404 exactly as one that never existed.
+
+    POST   /v1/leases               acquire: {"image" | "spec", "timeout_s", "keepalive_s",
+                                    "request_id"} -> 201 the lease
+    GET    /v1/leases               the tenant's leases
+    GET    /v1/leases/{id}          one of them
+    DELETE /v1/leases/{id}          release -> 204
+    POST   /v1/leases/{id}/keepalive -> 204 (every relayed call keeps it too)
+    GET    /v1/leases/{id}/connect  the data plane (relay.py), on the data port
+    GET    /v1/status               the tenant's leases and limits, the pool's counts
+
+The routes call a ``core`` (service/host.py's ServiceHost) that holds the leases.
+"""
+
+import json
+import math
+from typing import Optional
+
+from aiohttp import web
+
+from sandman_ray.errors import (
+    AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError)
+from sandman_ray.spec import SandboxSpec
+
+BODY_MAX = 64 * 1024
+TIMEOUT_MAX_S = 600.0
+
+
+class Refusal(Exception):
+    """An answer other than success: its status, error type and message, and the
+    seconds after which to try again (429)."""
+
+    def __init__(self, status: int, kind: str, message: str,
+                 retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.retry_after = \
+            status, kind, message, retry_after
+
+
+def error_response(status: int, kind: str, message: str,
+                   retry_after: Optional[float] = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status,
+                             headers=headers)
+
+
+# the errors of the Python API, as statuses
+_STATUS = ((AcquireTimeout, 408), (LeaseNotHeld, 404), (LeaseEnded, 410), (SandboxLost, 410))
+
+
+def app(core, verify) -> web.Application:
+    """The control plane's aiohttp application; ``verify(key)``: its tenant or None."""
+
+    @web.middleware
+    async def errors(request, handler):
+        try:
+            return await handler(request)
+        except Refusal as no:
+            return error_response(no.status, no.kind, no.message, no.retry_after)
+        except web.HTTPException as exc:  # aiohttp's own: 404 of a route, 405, 413
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
+                                  exc.reason)
+        except ProviderError as exc:
+            kind = 429 if exc.kind == "transient" else 422
+            return error_response(kind, "ProviderError", str(exc),
+                                  5.0 if kind == 429 else None)
+        except ValueError as exc:  # the pool's word on what was asked
+            return error_response(400, "ValidationError", str(exc))
+        except SandmanError as exc:
+            for cls, status in _STATUS:
+                if isinstance(exc, cls):
+                    return error_response(status, cls.__name__, str(exc))
+            return error_response(422, type(exc).__name__, str(exc))
+        except Exception as exc:  # noqa: BLE001 - Ray's word that the pool cannot answer
+            if not type(exc).__module__.startswith("ray."):
+                raise
+            return error_response(503, "PoolUnavailable", "the pool did not answer: %s"
+                                  % str(exc).splitlines()[0][:300], 5.0)
+
+    @web.middleware
+    async def auth(request, handler):
+        if request.path in ("/v1/openapi.json", "/v1/healthz"):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        tenant = verify(header[len("Bearer "):]) if header.startswith("Bearer ") else None
+        if tenant is None:
+            await core.failed_key(request.remote)
+            raise Refusal(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+        request["tenant"] = tenant
+        return await handler(request)
+
+    async def acquire(request):
+        body = await _body(request)
+        unknown = set(body) - {"image", "spec", "timeout_s", "keepalive_s", "request_id"}
+        if unknown:
+            raise Refusal(400, "ValidationError", "unknown fields: %s" % ", ".join(sorted(unknown)))
+        spec = _spec(body)
+        timeout_s = _number(body, "timeout_s", 60.0, 0.001, TIMEOUT_MAX_S)
+        keepalive_s = _number(body, "keepalive_s", 30.0, 5.0, 3600.0)
+        request_id = body.get("request_id")
+        if request_id is not None and (not isinstance(request_id, str)
+                                       or not 1 <= len(request_id) <= 128):
+            raise Refusal(400, "ValidationError", "request_id is a string of 1 to 128 characters")
+        lease = await core.acquire(request["tenant"], spec, timeout_s, keepalive_s, request_id)
+        return web.json_response(lease, status=201)
+
+    async def leases(request):
+        return web.json_response(core.leases_of(request["tenant"]))
+
+    async def one(request):
+        return web.json_response(core.lease_of(request["tenant"], request.match_info["id"]))
+
+    async def release(request):
+        await core.give_back(request["tenant"], request.match_info["id"])
+        return web.Response(status=204)
+
+    async def keepalive(request):
+        await core.keep(request["tenant"], request.match_info["id"])
+        return web.Response(status=204)
+
+    async def status(request):
+        return web.json_response(await core.status_of(request["tenant"]))
+
+    async def openapi(request):
+        from sandman_ray.service.openapi import document
+        return web.json_response(document())
+
+    async def healthz(request):
+        return web.json_response({"ok": True})
+
+    application = web.Application(middlewares=[errors, auth], client_max_size=BODY_MAX)
+    application.add_routes([
+        web.post("/v1/leases", acquire), web.get("/v1/leases", leases),
+        web.get("/v1/leases/{id}", one), web.delete("/v1/leases/{id}", release),
+        web.post("/v1/leases/{id}/keepalive", keepalive), web.get("/v1/status", status),
+        web.get("/v1/openapi.json", openapi), web.get("/v1/healthz", healthz)])
+    return application
+
+
+async def _body(request) -> dict:
+    if request.content_length is not None and request.content_length > BODY_MAX:
+        raise Refusal(413, "PayloadTooLarge", "a body is at most %d bytes" % BODY_MAX)
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise Refusal(400, "ValidationError", "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise Refusal(400, "ValidationError", "the body is a JSON object")
+    return body
+
+
+def _spec(body: dict) -> SandboxSpec:
+    if "spec" in body and "image" in body:
+        raise Refusal(400, "ValidationError", "give image or spec, not both")
+    try:
+        if "spec" in body:
+            if not isinstance(body["spec"], dict):
+                raise ValueError("spec is a JSON object of SandboxSpec's fields")
+            return SandboxSpec.from_dict(body["spec"])
+        image = body.get("image")
+        if image is not None and not isinstance(image, str):
+            raise ValueError("image is a string")
+        return SandboxSpec(image=image) if image else SandboxSpec()
+    except (TypeError, ValueError) as exc:
+        raise Refusal(400, "ValidationError", str(exc)) from None
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not low <= value <= high:
+        raise Refusal(400, "ValidationError", "%s is a number of seconds from %g to %g"
+                      % (name, low, high))
+    return float(value)

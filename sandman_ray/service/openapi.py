@@ -1,0 +1,80 @@
+"""The OpenAPI 3.1 document of the service's control plane (service/http.py), served at
+``/v1/openapi.json``; ``tests/test_service.py`` checks it against the routes."""
+
+from sandman_ray.spec import SandboxSpec
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["type", "message"],
+    "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+_LEASE = {"type": "object", "required": ["lease_id", "sandbox_id", "connect", "keepalive_s"],
+          "properties": {"lease_id": {"type": "string"}, "sandbox_id": {"type": "string"},
+                         "node_id": {"type": ["string", "null"]}, "pool": {"type": "string"},
+                         "keepalive_s": {"type": "number"}, "leased_at": {"type": "number"},
+                         "data_url": {"type": "string"},
+                         "connect": {"type": "string", "description":
+                                     "the data plane's path on the data URL: GET with "
+                                     "Upgrade: sandman-daemon/2"}}}
+
+
+def _errors(*statuses) -> dict:
+    return {str(s): {"description": "an error", "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for s in statuses}
+
+
+def _spec_schema() -> dict:
+    fields = SandboxSpec.__dataclass_fields__
+    return {"type": "object", "additionalProperties": False,
+            "description": "SandboxSpec's fields (sandman_ray.spec)",
+            "properties": {name: {} for name in fields}}
+
+
+def document() -> dict:
+    lease_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    json_lease = {"application/json": {"schema": {"$ref": "#/components/schemas/Lease"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "sandman service", "version": "1"},
+        "components": {
+            "securitySchemes": {"key": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": _ERROR, "Lease": _LEASE, "SandboxSpec": _spec_schema()}},
+        "security": [{"key": []}],
+        "paths": {
+            "/v1/leases": {
+                "post": {"summary": "acquire a sandbox", "requestBody": {"content": {
+                    "application/json": {"schema": {
+                        "type": "object", "additionalProperties": False, "properties": {
+                            "image": {"type": "string"},
+                            "spec": {"$ref": "#/components/schemas/SandboxSpec"},
+                            "timeout_s": {"type": "number", "minimum": 0.001,
+                                          "maximum": 600},
+                            "keepalive_s": {"type": "number", "minimum": 5, "maximum": 3600},
+                            "request_id": {"type": "string", "minLength": 1,
+                                           "maxLength": 128}}}}}},
+                         "responses": dict({"201": {"description": "the lease",
+                                                    "content": json_lease}},
+                                           **_errors(400, 401, 403, 408, 413, 422, 429, 503))},
+                "get": {"summary": "the tenant's leases", "responses": dict(
+                    {"200": {"description": "leases", "content": {"application/json": {
+                        "schema": {"type": "array",
+                                   "items": {"$ref": "#/components/schemas/Lease"}}}}}},
+                    **_errors(401))}},
+            "/v1/leases/{id}": {
+                "get": {"summary": "one lease", "parameters": [lease_id], "responses": dict(
+                    {"200": {"description": "the lease", "content": json_lease}},
+                    **_errors(401, 404, 410))},
+                "delete": {"summary": "release", "parameters": [lease_id], "responses": dict(
+                    {"204": {"description": "released"}}, **_errors(401, 404, 410))}},
+            "/v1/leases/{id}/keepalive": {
+                "post": {"summary": "keep a lease alive", "parameters": [lease_id],
+                         "responses": dict({"204": {"description": "kept"}},
+                                           **_errors(401, 404, 410, 503))}},
+            "/v1/status": {"get": {"summary": "the tenant's leases and limits, the pool's "
+                                              "counts", "responses": dict(
+                {"200": {"description": "status", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}}, **_errors(401, 503))}},
+            "/v1/openapi.json": {"get": {"summary": "this document", "security": [],
+                                         "responses": {"200": {"description": "OpenAPI"}}}},
+            "/v1/healthz": {"get": {"summary": "the service answers", "security": [],
+                                    "responses": {"200": {"description": "ok"}}}},
+        }}

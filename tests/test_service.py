@@ -1,0 +1,202 @@
+"""The service end to end: a real ``sandman serve`` process on loopback, serving a
+LocalProvider pool of the test session's Ray cluster, and clients without Ray
+(``sandman_ray.connect``, raw HTTP, and client processes the test SIGKILLs). Tenants
+see and touch only their own leases; keys, limits and garbage are refused with a
+status and a typed error; a retried acquire gets the same lease; a client that dies
+leaves nothing after its keepalive."""
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import LOCAL_CACHE, LOCAL_STATE, shared_ray, unique_pool, wait_until
+from sandman_ray.errors import AuthError, LeaseNotHeld, ServiceLimit
+from sandman_ray.remote import connect
+from sandman_ray.remote.channel import connect_lease
+from sandman_ray.service.tenants import KeyStore
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    import ray
+    import sandman_ray as sandman
+    from sandman_ray.providers.local import LocalProvider
+    shared_ray()
+    pool = unique_pool(LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE), "svc",
+                       warm={"builtin:debian": 1})
+    keys = tmp_path_factory.mktemp("service") / "keys" / "keys.db"
+    store = KeyStore(keys)
+    tenants = {name: store.create_key(name) for name in ("alice", "bob", "carol")}
+    store.set_tenant("carol", max_sandboxes=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandman_ray.cli", "--address",
+         ray.get_runtime_context().gcs_address, "serve", "--pool", pool, "--port", "0",
+         "--data-port", "0", "--keys", str(keys)], stdout=subprocess.PIPE, text=True)
+    try:
+        urls = json.loads(proc.stdout.readline())
+        yield dict(urls, pool=pool, store=store, proc=proc, **tenants)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        sandman.shutdown_pool(pool)
+        store.close()
+
+
+def http_call(service, method, path, body=None, key=None, raw=None):
+    """(status, headers, body bytes) of one request to the control plane."""
+    host, port = service["url"].rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=90)
+    headers = {"Authorization": "Bearer " + key} if key else {}
+    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+    conn.request(method, path, body=data, headers=headers)
+    answer = conn.getresponse()
+    out = answer.status, dict(answer.getheaders()), answer.read()
+    conn.close()
+    return out
+
+
+def pool_leases(service) -> int:
+    """The pool's leased sandboxes, by its own status."""
+    import ray
+    import sandman_ray as sandman
+    return ray.get(sandman.get_pool(service["pool"]).status.remote())["states"].get("leased", 0)
+
+
+def test_a_tenant_acquires_runs_and_releases_without_ray(service):
+    pool = connect(service["url"], service["alice"])
+    with pool.sandbox("builtin:debian", timeout=60) as sb:
+        assert sb.exec("echo hi").stdout == b"hi\n"
+        sb.write_file("/tmp/f", b"data")
+        assert sb.read_file("/tmp/f") == b"data"
+        assert [lease["lease_id"] for lease in pool.leases()] == [sb.lease_id]
+        assert "token" not in json.dumps(pool.leases()) and "address" not in pool.leases()[0]
+        assert pool.status()["leases"] == 1
+    assert pool.leases() == []
+    wait_until(lambda: pool_leases(service) == 0, timeout=10, what="the lease to end")
+
+
+def test_another_tenants_lease_is_the_same_404_as_none(service):
+    alice, bob = connect(service["url"], service["alice"]), connect(service["url"], service["bob"])
+    with alice.sandbox("builtin:debian") as sb:
+        fake = "L-" + "0" * (len(sb.lease_id) - 2)
+        for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/keepalive")):
+            theirs = http_call(service, method, "/v1/leases/%s%s" % (sb.lease_id, suffix),
+                               key=service["bob"])
+            none = http_call(service, method, "/v1/leases/%s%s" % (fake, suffix),
+                             key=service["bob"])
+            assert theirs[0] == none[0] == 404
+            assert theirs[2].replace(sb.lease_id.encode(), fake.encode()) == none[2]
+        assert bob.leases() == []
+        with pytest.raises(LeaseNotHeld):
+            connect_lease(sb.lease["data_url"], service["bob"], sb.lease_id)
+        assert sb.exec("true").exit_code == 0  # untouched
+
+
+def test_no_key_a_wrong_key_and_a_revoked_key_get_401(service):
+    for key in (None, "", "sk_sandman_000000000000_" + "A" * 43, service["alice"] + "x"):
+        status, _, body = http_call(service, "GET", "/v1/leases", key=key)
+        assert status == 401 and json.loads(body)["error"]["type"] == "Unauthorized"
+    spare = service["store"].create_key("alice")
+    assert connect(service["url"], spare).leases() == []
+    service["store"].revoke(spare)
+    with pytest.raises(AuthError):
+        connect(service["url"], spare).leases()
+    assert http_call(service, "GET", "/v1/openapi.json")[0] == 200  # no key needed
+
+
+def test_a_tenant_over_its_limit_gets_429_with_retry_after(service):
+    carol = connect(service["url"], service["carol"])
+    with carol.sandbox("builtin:debian"):
+        status, headers, body = http_call(service, "POST", "/v1/leases",
+                                          {"image": "builtin:debian"}, key=service["carol"])
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert json.loads(body)["error"]["type"] == "TenantLimit"
+        with pytest.raises(ServiceLimit) as err:
+            carol.acquire("builtin:debian")
+        assert err.value.retry_after >= 1
+    with carol.sandbox("builtin:debian") as sb:  # given back: room again
+        assert sb.exec("true").exit_code == 0
+
+
+def test_an_acquire_retried_with_its_request_id_gets_the_same_lease(service):
+    body = {"image": "builtin:debian", "request_id": uuid.uuid4().hex}
+    first = http_call(service, "POST", "/v1/leases", body, key=service["alice"])
+    again = http_call(service, "POST", "/v1/leases", body, key=service["alice"])
+    assert first[0] == again[0] == 201
+    a, b = json.loads(first[2]), json.loads(again[2])
+    assert (a["lease_id"], a["sandbox_id"]) == (b["lease_id"], b["sandbox_id"])
+    other = http_call(service, "POST", "/v1/leases", body, key=service["bob"])  # bob's own
+    assert json.loads(other[2])["lease_id"] != a["lease_id"]
+    alice = connect(service["url"], service["alice"])
+    assert [lease["lease_id"] for lease in alice.leases()] == [a["lease_id"]]
+    alice.release(a["lease_id"])
+    connect(service["url"], service["bob"]).release(json.loads(other[2])["lease_id"])
+
+
+CLIENT = r"""
+import sys
+from sandman_ray.remote import connect
+pool = connect(sys.argv[1], sys.argv[2], keepalive_s=5)
+held = [pool.acquire("builtin:debian") for _ in range(2)]
+print(" ".join(sb.lease_id for sb in held), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_sigkilled_client_leaves_nothing_after_its_keepalive(service):
+    """Its leases are kept by its thread while it lives (past their keepalive), and
+    reclaimed within keepalive + one sweep of the pool once it is SIGKILLed."""
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, service["url"], service["alice"]],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ids = proc.stdout.readline().split()
+        assert len(ids) == 2
+        alice = connect(service["url"], service["alice"])
+        time.sleep(7)  # longer than their keepalive: the client's thread keeps them
+        assert sorted(lease["lease_id"] for lease in alice.leases()) == sorted(ids)
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: alice.leases() == [], timeout=5 + 0.2 + 5,
+                   what="the killed client's leases to be reclaimed")
+        assert time.monotonic() - killed < 5 + 0.2 + 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("raw,status,kind", [
+    (b"not json", 400, "ValidationError"),
+    (b"[1, 2]", 400, "ValidationError"),
+    (b'{"image": 7}', 400, "ValidationError"),
+    (b'{"spec": {"image": "builtin:debian", "bogus": 1}}', 400, "ValidationError"),
+    (b'{"spec": {"memory": "lots"}}', 400, "ValidationError"),
+    (b'{"timeout_s": -1}', 400, "ValidationError"),
+    (b'{"keepalive_s": 1}', 400, "ValidationError"),
+    (b'{"surprise": 1}', 400, "ValidationError"),
+    (b'{"image": "host"}', 403, "Forbidden"),
+    (b'{"image": "dir:/"}', 403, "Forbidden"),
+    (b'{"spec": {"capabilities": ["IO_URING"]}}', 403, "Forbidden"),
+    (b'{"image": "x" }' + b" " * 70000, 413, "PayloadTooLarge"),
+])
+def test_garbage_gets_a_typed_4xx_and_nothing_is_leased(service, raw, status, kind):
+    before = len(connect(service["url"], service["alice"]).leases())
+    got, _, body = http_call(service, "POST", "/v1/leases", key=service["alice"], raw=raw)
+    assert got == status, body
+    assert json.loads(body)["error"]["type"] == kind
+    assert len(connect(service["url"], service["alice"]).leases()) == before
+
+
+def test_the_openapi_document_names_every_route(service):
+    status, _, body = http_call(service, "GET", "/v1/openapi.json")
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) == {"/v1/leases", "/v1/leases/{id}", "/v1/leases/{id}/keepalive",
+                                 "/v1/status", "/v1/openapi.json", "/v1/healthz"}
+    status, _, body = http_call(service, "GET", "/v1/nowhere", key=service["alice"])
+    assert status == 404 and set(json.loads(body)["error"]) == {"type", "message"}

@@ -18,7 +18,9 @@ from escape_kit import provider, sh  # noqa: F401 - provider: a fixture
 # into connection after connection), for at most ARGV[1] seconds or 2 GiB; prints what
 # it held.
 TCP_HOG = r"""
-import socket, sys, time
+import resource, socket, sys, time
+# every descriptor its hard limit allows (a sandbox's soft limit is 1,024 of 4,096)
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
 server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen(4096)
 held, pairs, chunk = 0, [], b"x" * 65536
 deadline = time.time() + float(sys.argv[1])

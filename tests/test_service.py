@@ -5,6 +5,7 @@ see and touch only their own leases; keys, limits and garbage are refused with a
 status and a typed error; a retried acquire gets the same lease; a client that dies
 leaves nothing after its keepalive."""
 
+import contextlib
 import http.client
 import json
 import signal
@@ -22,22 +23,26 @@ from sandman_ray.remote.channel import connect_lease
 from sandman_ray.service.tenants import KeyStore
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
+@contextlib.contextmanager
+def serving(where, *serve_args):
+    """A pool of this session's Ray, three tenants with a key each (carol may hold one
+    sandbox) in a key store under ``where``, and ``sandman serve`` of the pool with
+    ``serve_args``: its URLs, the pool, the store, the process and the keys."""
     import ray
     import sandman_ray as sandman
     from sandman_ray.providers.local import LocalProvider
     shared_ray()
     pool = unique_pool(LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE), "svc",
                        warm={"builtin:debian": 1})
-    keys = tmp_path_factory.mktemp("service") / "keys" / "keys.db"
+    keys = where / "keys" / "keys.db"
     store = KeyStore(keys)
     tenants = {name: store.create_key(name) for name in ("alice", "bob", "carol")}
     store.set_tenant("carol", max_sandboxes=1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sandman_ray.cli", "--address",
          ray.get_runtime_context().gcs_address, "serve", "--pool", pool, "--port", "0",
-         "--data-port", "0", "--keys", str(keys)], stdout=subprocess.PIPE, text=True)
+         "--data-port", "0", "--keys", str(keys)] + list(serve_args),
+        stdout=subprocess.PIPE, text=True)
     try:
         urls = json.loads(proc.stdout.readline())
         yield dict(urls, pool=pool, store=store, proc=proc, **tenants)
@@ -48,10 +53,17 @@ def service(tmp_path_factory):
         store.close()
 
 
-def http_call(service, method, path, body=None, key=None, raw=None):
-    """(status, headers, body bytes) of one request to the control plane."""
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("service")) as running:
+        yield running
+
+
+def http_call(service, method, path, body=None, key=None, raw=None, source="127.0.0.1"):
+    """(status, headers, body bytes) of one request to the control plane, sent from
+    the loopback address ``source``."""
     host, port = service["url"].rsplit("/", 1)[1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=90)
+    conn = http.client.HTTPConnection(host, int(port), timeout=90, source_address=(source, 0))
     headers = {"Authorization": "Bearer " + key} if key else {}
     data = raw if raw is not None else (json.dumps(body) if body is not None else None)
     conn.request(method, path, body=data, headers=headers)
@@ -108,6 +120,28 @@ def test_no_key_a_wrong_key_and_a_revoked_key_get_401(service):
     with pytest.raises(AuthError):
         connect(service["url"], spare).leases()
     assert http_call(service, "GET", "/v1/openapi.json")[0] == 200  # no key needed
+
+
+def test_failed_keys_from_one_address_are_slowed_and_good_ones_are_not(service):
+    """After five failed keys a minute from one address, each more one waits longer
+    for its 401 (0.2 s, 0.4 s, 0.8 s); a valid key from there is answered at once, and
+    another address's first failure is not slowed. (Each address of its own: 127.0.0.x
+    are all this machine's.)"""
+    waits = []
+    for _ in range(8):
+        started = time.monotonic()
+        assert http_call(service, "GET", "/v1/leases", key="sk_sandman_nope",
+                         source="127.0.0.7")[0] == 401
+        waits.append(time.monotonic() - started)
+    assert waits[-1] >= 0.8 and waits[-1] > waits[-2] > waits[-3] > max(waits[:5]), waits
+    started = time.monotonic()
+    assert http_call(service, "GET", "/v1/leases", key=service["alice"],
+                     source="127.0.0.7")[0] == 200
+    assert time.monotonic() - started < waits[-1]
+    started = time.monotonic()
+    assert http_call(service, "GET", "/v1/leases", key="sk_sandman_nope",
+                     source="127.0.0.8")[0] == 401
+    assert time.monotonic() - started < waits[-1]
 
 
 def test_a_tenant_over_its_limit_gets_429_with_retry_after(service):

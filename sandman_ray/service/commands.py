@@ -34,6 +34,9 @@ def add_parsers(sub) -> None:
                        help="listen beyond loopback without TLS (keys cross in the clear)")
     serve.add_argument("--keys", help="the key store (default: %s)" % default_path())
     serve.add_argument("--stop", action="store_true", help="stop the service of POOL")
+    serve.add_argument("--slow-after", type=int, default=5,
+                       help="failed keys from one address a minute before each more one "
+                            "waits, longer and longer, for its 401 (0: never)")
     keys = sub.add_parser("keys", help="the service's API keys (no cluster needed)")
     keys.add_argument("--keys", help="the key store (default: %s)" % default_path())
     verbs = keys.add_subparsers(dest="verb", required=True)
@@ -86,7 +89,10 @@ def cmd_serve(args) -> int:
     keys = str(args.keys or default_path())
     KeyStore(keys).close()  # made (root's alone) before the actor opens it
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-    _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls)
+    if args.slow_after < 0:
+        raise ValueError("--slow-after is 0 or more, got %d" % args.slow_after)
+    _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls,
+                            args.slow_after)
     print(json.dumps(dict(urls, pool=args.pool)), flush=True)
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

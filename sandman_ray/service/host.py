@@ -34,7 +34,7 @@ from sandman_ray.spec import SandboxSpec, parse_image
 
 SERVICE_PREFIX = HOST_PREFIX + "svc-"
 CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
-FAILED_KEYS_SLOWED_AFTER = 5  # failed keys from one address a minute before each is slowed
+SLOW_AFTER = 5  # failed keys from one address a minute before each more one is slowed
 
 
 def service_name(pool: str) -> str:
@@ -62,9 +62,12 @@ class ServiceHost(_HandleHost):
     """See the module's docstring."""
 
     async def start(self, pool: str, keys_path: str, host: str, port: int,
-                    data_port: int, tls: Optional[Tuple[str, str]] = None) -> Dict[str, str]:
+                    data_port: int, tls: Optional[Tuple[str, str]] = None,
+                    slow_after: int = SLOW_AFTER) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
-        control plane's and the data plane's URLs."""
+        control plane's and the data plane's URLs. ``slow_after``: failed keys from one
+        address a minute before each more one is slowed (0: never)."""
+        self.slow_after = slow_after
         import ssl
         from aiohttp import web
         from sandman_ray.service.http import app
@@ -217,8 +220,8 @@ class ServiceHost(_HandleHost):
         if len(self.failures) > 10000:
             self.failures.clear()
         self.failures[address or ""] = seen
-        extra = len(seen) - FAILED_KEYS_SLOWED_AFTER
-        if extra > 0:
+        extra = len(seen) - self.slow_after
+        if self.slow_after and extra > 0:
             await asyncio.sleep(min(0.1 * 2 ** extra, 5.0))
 
     # ---- the pool's word (``_HandleHost``): an ended lease's relays are cut
@@ -237,8 +240,8 @@ RemoteServiceHost = ray.remote(num_cpus=0, max_restarts=0,
 
 
 def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int = 0,
-                  data_port: int = 0,
-                  tls: Optional[Tuple[str, str]] = None) -> Tuple[object, Dict[str, str]]:
+                  data_port: int = 0, tls: Optional[Tuple[str, str]] = None,
+                  slow_after: int = SLOW_AFTER) -> Tuple[object, Dict[str, str]]:
     """The service of ``pool`` on this node, started (detached: it outlives the
     process that started it, until ``stop_service``); (its actor, its URLs)."""
     actor = RemoteServiceHost.options(
@@ -246,7 +249,8 @@ def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int 
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
     try:
-        urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls))
+        urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls,
+                                          slow_after))
     except BaseException:
         ray.kill(actor)
         raise

@@ -65,8 +65,11 @@ def app(core, verify) -> web.Application:
         except web.HTTPException as exc:  # aiohttp's own: 404 of a route, 405, 413
             if exc.status < 400:
                 raise
-            return error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
-                                  exc.reason)
+            answer = error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
+                                    exc.reason)
+            if "Allow" in exc.headers:  # a 405 says which methods are (RFC 9110)
+                answer.headers["Allow"] = exc.headers["Allow"]
+            return answer
         except ProviderError as exc:
             kind = 429 if exc.kind == "transient" else 422
             return error_response(kind, "ProviderError", str(exc),

@@ -22,11 +22,25 @@ def _errors(*statuses) -> dict:
         for s in statuses}
 
 
+_FIELDS = {  # SandboxSpec's fields as JSON; the server checks the rest (spec.py)
+    "image": {"type": "string"}, "cpu": {"type": ["number", "null"], "exclusiveMinimum": 0},
+    "memory": {"type": ["string", "integer", "null"]}, "pids": {"type": ["integer", "null"]},
+    "disk": {"type": ["string", "integer", "null"]},
+    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+    "workdir": {"type": ["string", "null"]}, "network": {"type": "boolean"},
+    "network_allow": {"type": "array", "items": {"type": "string"}},
+    "user": {"type": ["string", "null"]}, "ttl_s": {"type": ["number", "null"]},
+    "idle_timeout_s": {"type": ["number", "null"]},
+    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+    "capabilities": {"type": "array", "items": {"type": "string"}},
+    "ptys": {"type": "integer"}, "nofile": {"type": ["integer", "null"]}}
+
+
 def _spec_schema() -> dict:
     fields = SandboxSpec.__dataclass_fields__
     return {"type": "object", "additionalProperties": False,
             "description": "SandboxSpec's fields (sandman_ray.spec)",
-            "properties": {name: {} for name in fields}}
+            "properties": {name: _FIELDS.get(name, {}) for name in fields}}
 
 
 def document() -> dict:

@@ -1,0 +1,54 @@
+"""Schemathesis, the property-based API fuzzer, against the served OpenAPI document of a
+real ``sandman serve`` (test_service.py's ``serving``): every operation with
+generated bodies and parameters, valid and not. No answer may be a 5xx; every answer
+conforms to the document (statuses, content types, schemas); every 4xx is a typed
+error. A fuzzing tenant may hold one sandbox at a time (the rest are 429), and an
+acquire waits at most 3 s (the generated timeouts are capped so that a run ends).
+The check that a body valid by the document is accepted is left out: a SandboxSpec is
+checked further than a schema can say (an image's form, a memory size's units), and
+such a body is a 400 naming the field."""
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import positive_data_acceptance
+
+from sandman_ray.service.openapi import document
+from test_service import serving
+
+SCHEMA = schemathesis.openapi.from_dict(document())
+
+
+@SCHEMA.hook
+def map_body(context, body):
+    """An acquire waits at most 3 s: a generated timeout of minutes would only wait."""
+    if isinstance(body, dict) and isinstance(body.get("timeout_s"), (int, float)):
+        body["timeout_s"] = min(body["timeout_s"], 3.0)
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzzer(tmp_path_factory):
+    """A service of its own, whose failed keys are not slowed (the fuzzer sends many
+    requests without one, from one address)."""
+    with serving(tmp_path_factory.mktemp("fuzz"), "--slow-after", "0") as service:
+        key = service["store"].create_key("fuzz")
+        service["store"].set_tenant("fuzz", max_sandboxes=1)
+        yield {"url": service["url"], "key": key}
+        from sandman_ray.remote import connect
+        pool = connect(service["url"], key)
+        for lease in pool.leases():
+            pool.release(lease["lease_id"])
+
+
+@SCHEMA.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_operation_answers_5xx_or_off_the_document(case, fuzzer):
+    response = case.call_and_validate(base_url=fuzzer["url"],
+                                      headers={"Authorization": "Bearer " + fuzzer["key"]},
+                                      excluded_checks=[positive_data_acceptance])
+    if 400 <= response.status_code < 500:
+        error = json.loads(response.content)["error"]
+        assert isinstance(error["type"], str) and isinstance(error["message"], str)

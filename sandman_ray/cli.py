@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from sandman_ray.errors import SandmanError
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -212,7 +214,6 @@ def _status_or_none(pool: str) -> Optional[Dict]:
     does not answer within a minute). A pool that stopped and was created anew under
     its name is a new actor: it is looked up again."""
     import ray
-    from sandman_ray.errors import SandmanError
     for refresh in (False, True):
         try:
             return _call(pool, "status", refresh=refresh)
@@ -385,7 +386,8 @@ def parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"status": cmd_status, "list": cmd_list, "events": cmd_events, "gc": cmd_gc,
             "snapshots": cmd_snapshots, "shutdown": cmd_shutdown, "bench": cmd_bench}
-OFFLINE = ("bench", "keys", "tenants")  # the commands that need no Ray cluster
+# the commands that need no Ray cluster (serve checks its arguments, then connects)
+OFFLINE = ("bench", "serve", "keys", "tenants")
 
 
 def main(argv=None) -> int:
@@ -396,11 +398,12 @@ def main(argv=None) -> int:
     try:
         if args.command not in OFFLINE:
             _connect(args.address)
+        args.connect = lambda: _connect(args.address)
         if args.command in ("serve", "keys", "tenants"):
             from sandman_ray.service.commands import COMMANDS as SERVICE_COMMANDS
             return SERVICE_COMMANDS[args.command](args)
         return COMMANDS[args.command](args)
-    except (CliError, ValueError) as exc:
+    except (CliError, ValueError, SandmanError) as exc:
         print("sandman: %s" % exc, file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ leaves nothing after its keepalive."""
 import contextlib
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -234,3 +235,78 @@ def test_the_openapi_document_names_every_route(service):
                                  "/v1/status", "/v1/openapi.json", "/v1/healthz"}
     status, _, body = http_call(service, "GET", "/v1/nowhere", key=service["alice"])
     assert status == 404 and set(json.loads(body)["error"]) == {"type", "message"}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_service_started_again_serves_the_leases_it_held(tmp_path):
+    """The server dies (its actor killed) under a held lease whose client keeps it
+    alive: a call in flight then raises ConnectionLost; ``sandman serve`` again on the
+    same ports adopts the lease from the pool, the same key works, and the client's next
+    call reaches the same sandbox, files and all."""
+    import ray
+    from sandman_ray.errors import ConnectionLost
+    from sandman_ray.pool.cluster import NAMESPACE
+    from sandman_ray.service.host import service_name
+    ports = ["--port", str(free_port()), "--data-port", str(free_port())]
+    with serving(tmp_path, *ports) as svc:
+        pool = connect(svc["url"], svc["alice"], keepalive_s=30)
+        sb = pool.acquire("builtin:debian")
+        sb.write_file("/tmp/kept", b"before")
+        svc["proc"].kill()
+        svc["proc"].wait()
+        actor = ray.get_actor(service_name(svc["pool"]), namespace=NAMESPACE)
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(actor)
+
+        def gone():
+            try:
+                ray.get_actor(service_name(svc["pool"]), namespace=NAMESPACE)
+            except ValueError:
+                return not os.path.exists("/proc/%d" % pid)
+            return False
+        wait_until(gone, timeout=30, what="the killed service's process and name to go")
+        with pytest.raises(ConnectionLost):
+            sb.exec("true")
+        again = subprocess.Popen(
+            [sys.executable, "-m", "sandman_ray.cli", "--address",
+             ray.get_runtime_context().gcs_address, "serve", "--pool", svc["pool"],
+             "--keys", str(tmp_path / "keys" / "keys.db")] + ports,
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(again.stdout.readline())["url"] == svc["url"]
+            assert sb.read_file("/tmp/kept") == b"before"
+            assert [lease["lease_id"] for lease in pool.leases()] == [sb.lease_id]
+            sb.release()
+            assert pool.leases() == []
+        finally:
+            again.send_signal(signal.SIGTERM)
+            again.wait(timeout=60)
+
+
+def test_tls_with_a_certificate_the_test_made_and_loopback_unless_told(tmp_path):
+    """With --tls-cert/--tls-key both planes speak TLS: a client that trusts the
+    certificate acquires and runs commands, one that does not is refused before any
+    key is sent. Beyond loopback without TLS, sandman serve refuses to start."""
+    import ssl
+    from sandman_ray.errors import ConnectionLost
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with serving(tmp_path / "svc", "--tls-cert", str(cert), "--tls-key", str(key)) as svc:
+        assert svc["url"].startswith("https://") and svc["data_url"].startswith("https://")
+        trusting = connect(svc["url"], svc["alice"],
+                           context=ssl.create_default_context(cafile=str(cert)))
+        with trusting.sandbox("builtin:debian") as sb:
+            assert sb.exec("echo secret").stdout == b"secret\n"
+        with pytest.raises(ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):
+            connect(svc["url"], svc["alice"]).leases()
+    refused = subprocess.run([sys.executable, "-m", "sandman_ray.cli", "serve", "--pool", "p",
+                              "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--tls-cert" in refused.stderr

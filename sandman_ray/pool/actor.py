@@ -127,6 +127,12 @@ class PoolActor:
     async def host_restarted(self, holder: str) -> int:
         return (await self._started()).host_restarted(holder)
 
+    async def held_by(self, holder: str) -> list:
+        """The leases the host ``holder`` holds (the service, started again under its
+        name, adopts its tenants' leases)."""
+        pool = await self._started()
+        return [rec.lease for rec in pool.records.held_by(holder) if rec.lease is not None]
+
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def why_ended(self, lease_id: str) -> Optional[str]:
         """Why ``lease_id`` ended, if this pool ended it (a host asks when its sandbox

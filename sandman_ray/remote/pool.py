@@ -40,19 +40,38 @@ def connect(url: str, api_key: str, *, keepalive_s: float = 30.0,
 class RemoteSandbox:
     """A leased sandbox of a service: every operation of ``DaemonClient`` (``exec``,
     ``run``, ``write_file``, ``read_file``, ``spawn``...), over the data plane;
-    ``release()`` gives it back (also on leaving a ``with`` block)."""
+    ``release()`` gives it back (also on leaving a ``with`` block). A call whose
+    connection broke raises ConnectionLost, as a direct one does; the next call
+    connects again (the service restarted: the lease is still this client's)."""
 
     def __init__(self, pool: "RemotePool", lease: dict):
         self.pool, self.lease = pool, lease
         self.lease_id, self.sandbox_id = lease["lease_id"], lease["sandbox_id"]
         self.node_id = lease.get("node_id")
-        self.client = connect_lease(lease["data_url"], pool.api_key, self.lease_id,
-                                    context=pool.context)
+        self.client = self._connect()
+        self.broken = False
+
+    def _connect(self):
+        return connect_lease(self.lease["data_url"], self.pool.api_key, self.lease_id,
+                             context=self.pool.context)
 
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self.client, name)
+        if not callable(getattr(self.client, name)):
+            return getattr(self.client, name)
+
+        def call(*args, **kwargs):
+            if self.broken:
+                self.client.close()
+                self.client, self.broken = self._connect(), False
+            try:
+                return getattr(self.client, name)(*args, **kwargs)
+            except ConnectionLost:
+                self.broken = True
+                raise
+        call.__name__ = name
+        return call
 
     def release(self) -> None:
         self.client.close()

@@ -69,6 +69,7 @@ def cmd_serve(args) -> int:
     import threading
     from sandman_ray.service.host import start_service, stop_service
     if args.stop:
+        args.connect()
         print("stopped; %d leases given back" % stop_service(args.pool))
         return 0
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -85,6 +86,7 @@ def cmd_serve(args) -> int:
         if not 0 <= port <= 65535:
             raise ValueError("a port is 0 to 65535, got %d" % port)
     from sandman_ray.lookup import get_pool
+    args.connect()  # the cluster, once the arguments are known to be good (cli.py)
     get_pool(args.pool)  # a pool that does not exist is said now, by name
     keys = str(args.keys or default_path())
     KeyStore(keys).close()  # made (root's alone) before the actor opens it

@@ -96,7 +96,17 @@ class ServiceHost(_HandleHost):
         self.urls = {"url": "%s://%s:%d" % (scheme, host, runner.addresses[0][1]),
                      "data_url": "%s://%s:%d" % (scheme, host,
                                                  self.data.sockets[0].getsockname()[1])}
+        await self._adopt()
         return self.urls
+
+    async def _adopt(self) -> None:
+        """The leases the pool says this service holds (a service that stopped without
+        giving them back, started again under its name): served again, as they were.
+        Their keepalives kept them meanwhile."""
+        for lease in await self._tell_pool(self.pool, "held_by", self.name):
+            if lease.client.startswith(CLIENT_PREFIX) and lease.keepalive_s:
+                self.served[lease.lease_id] = (lease.client[len(CLIENT_PREFIX):], lease)
+                await self.take(lease)
 
     async def stop(self) -> int:
         """Stop listening and give back every lease; how many there were."""

@@ -139,3 +139,36 @@ def test_a_lease_carries_its_keepalive_through_packing_and_a_restart_of_the_pool
         return pool
     pool = run(main())
     assert pool.records.leased("L-p") is None
+
+
+def test_clients_are_lent_in_proportion_to_their_weights_and_bank_nothing():
+    """Two clients of weights 3 and 1, each with many waiters, one sandbox freed at a
+    time: 3 to 1. A client that starts waiting later starts level with the others
+    (its waiting for nothing earned it no turns); clients of no weight take turns."""
+    from sandman_ray.pool.waiters import FairQueue, Waiter
+    queue = FairQueue()
+    for i in range(40):
+        for client, weight in (("heavy", 3.0), ("light", 1.0)):
+            queue.push(Waiter(client, SPEC, None, "%s-%d" % (client, i), 0.0, weight=weight))
+    served = [queue.next_for(SPEC, lambda client: True).client for _ in range(40)]
+    assert served.count("heavy") == 30 and served.count("light") == 10
+    assert all(served[i:i + 4].count("light") == 1 for i in range(0, 40, 4))
+    for i in range(10):
+        queue.push(Waiter("late", SPEC, None, "late-%d" % i, 0.0))
+    nxt = [queue.next_for(SPEC, lambda client: True).client for _ in range(10)]
+    assert 2 <= nxt.count("late") <= 4, nxt  # its share (1 of 5), not a run of catch-up
+    even = FairQueue()
+    for i in range(5):
+        for client in ("a", "b", "c"):
+            even.push(Waiter(client, SPEC, None, "%s-%d" % (client, i), 0.0))
+    assert [even.next_for(SPEC, lambda client: True).client for _ in range(6)] == \
+        ["a", "b", "c", "a", "b", "c"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1001, True, "2"])
+def test_a_weight_out_of_bounds_is_refused_naming_it(bad):
+    async def main():
+        pool, _, _, _ = make(warm={SPEC: 1})
+        await pool.lease(SPEC, "c", 5, weight=bad)
+    with pytest.raises(ValueError, match="weight must be a number above 0"):
+        run(main())

@@ -78,7 +78,7 @@ class PoolActor:
     async def lease(self, spec, client: Optional[str] = None, timeout_s: float = 60.0,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
                     lease_id: Optional[str] = None, node: Optional[str] = None,
-                    keepalive_s: Optional[float] = None):
+                    keepalive_s: Optional[float] = None, weight: Optional[float] = None):
         """A Lease (``Reconciler.lease``). ``spec`` alone as bytes: the whole request
         packed (``pack_lease_request``), and the lease packed in the answer: the
         acquire's path (each argument Ray serializes costs a call ~0.3 ms here)."""
@@ -87,7 +87,7 @@ class PoolActor:
             lease = await pool.lease(*unpack_lease_request(spec))
         else:
             lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
-                                     node, keepalive_s)
+                                     node, keepalive_s, weight)
         controller = pool.provider.controller(lease.node_id)
         if pool.config.pause_between_steps or controller:
             lease = dataclasses.replace(lease, controller=controller,

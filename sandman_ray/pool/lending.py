@@ -26,7 +26,8 @@ class Lending:
     async def lease(self, spec: SandboxSpec, client: str, timeout_s: float,
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
                     lease_id: Optional[str] = None, node: Optional[str] = None,
-                    keepalive_s: Optional[float] = None) -> Lease:
+                    keepalive_s: Optional[float] = None,
+                    weight: Optional[float] = None) -> Lease:
         """A READY sandbox for ``spec``, lent to ``client``, within ``timeout_s``.
 
         holder: the name of the handle host that will hold the lease. When the sandbox
@@ -45,11 +46,16 @@ class Lending:
             lives: a client outside Ray, which the service's gateway holds leases for.
             None: it lasts while its host lives. An acquire asked again with the same
             ``lease_id`` and client (a retry after a timeout or a cut connection)
-            waits for the same lease, never a second sandbox."""
+            waits for the same lease, never a second sandbox.
+        weight: the client's share of the lending against the others' (1 by default;
+            a service tenant's weight), above 0, at most 1000."""
         if keepalive_s is not None and (isinstance(keepalive_s, bool) or not isinstance(
                 keepalive_s, (int, float)) or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S):
             raise ValueError("keepalive_s must be a number of seconds from %g to %g, got %r"
                              % (MIN_KEEPALIVE_S, MAX_KEEPALIVE_S, keepalive_s))
+        if weight is not None and (isinstance(weight, bool) or not isinstance(
+                weight, (int, float)) or not 0 < weight <= 1000):
+            raise ValueError("weight must be a number above 0, at most 1000, got %r" % (weight,))
         spec = self.config.limited(SandboxSpec.of(spec))
         want, only = await self._placement(node, holder_node)
         if lease_id is None:
@@ -75,7 +81,8 @@ class Lending:
         loop = asyncio.get_running_loop()
         now = self.clock.monotonic()
         waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
-                        holder, holder_node, want, only, float(keepalive_s or 0.0))
+                        holder, holder_node, want, only, float(keepalive_s or 0.0),
+                        float(weight or 1.0))
         self.waiters.push(waiter)
         self.waiting[lease_id] = waiter
         self.lend(spec)  # a warm sandbox is lent at once, without waiting for a tick

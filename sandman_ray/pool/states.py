@@ -97,11 +97,12 @@ class Lease:
 
 def pack_lease_request(spec, client: str, timeout_s: float, holder: str, holder_node: str,
                        lease_id: str, node: Optional[str] = None,
-                       keepalive_s: Optional[float] = None) -> bytes:
+                       keepalive_s: Optional[float] = None,
+                       weight: Optional[float] = None) -> bytes:
     """An acquire's request to the pool as one bytes argument (``PoolActor.lease``)."""
     from sandman_ray.daemon.sandmand.wire import pack
     return pack([spec if isinstance(spec, str) else spec.to_dict(), client, timeout_s,
-                 holder, holder_node, lease_id, node, keepalive_s])
+                 holder, holder_node, lease_id, node, keepalive_s, weight])
 
 
 def unpack_lease_request(data: bytes) -> list:

@@ -20,6 +20,7 @@ class Waiter:
     want: Optional[str] = None  # the node it prefers a sandbox on (the caller's)
     only: Optional[str] = None  # the node its sandbox must be on (asked for)
     keepalive_s: float = 0.0  # its lease lasts while kept alive (0: while held)
+    weight: float = 1.0  # its client's share of the lending (a service tenant's weight)
 
     @property
     def node(self) -> Optional[str]:
@@ -29,18 +30,24 @@ class Waiter:
 
 @dataclass
 class FairQueue:
-    """FIFO per client; clients take turns. A client's burst of 200 requests waits
-    behind one request of every other client, not in front of them. The number
-    waiting per spec is kept, not counted."""
+    """FIFO per client; clients take turns, in proportion to their weights. A client's
+    burst of 200 requests waits behind one request of every other client, not in front
+    of them; a client of weight 3 is served three times for another's once (stride
+    scheduling: each client has a pass, the waiting client of the lowest pass is served
+    next and its pass grows by 1/weight; one that starts waiting starts at the lowest
+    pass of those waiting, so no client banks turns while it waits for nothing). The
+    number waiting per spec is kept, not counted."""
 
     queues: Dict[str, Deque[Waiter]] = field(default_factory=dict)
     turn: Deque[str] = field(default_factory=collections.deque)
     per_spec: collections.Counter = field(default_factory=collections.Counter)
+    passes: Dict[str, float] = field(default_factory=dict)
 
     def push(self, waiter: Waiter) -> None:
         if waiter.client not in self.queues:
             self.queues[waiter.client] = collections.deque()
             self.turn.append(waiter.client)
+            self.passes[waiter.client] = min(self.passes.values(), default=0.0)
         self.queues[waiter.client].append(waiter)
         self.per_spec[waiter.spec] += 1
 
@@ -57,6 +64,7 @@ class FairQueue:
         if not self.queues[waiter.client]:
             del self.queues[waiter.client]
             self.turn.remove(waiter.client)
+            self.passes.pop(waiter.client, None)
 
     def __len__(self) -> int:
         return sum(self.per_spec.values())
@@ -74,15 +82,20 @@ class FairQueue:
         a sandbox is ready for it (one that takes only one node)."""
         if not self.per_spec.get(spec):
             return None
+        best = None  # (pass, turn, waiter): the lowest pass, in turn order among equals
         for turn in range(len(self.turn)):
             client = self.turn[turn]
-            if not allowed(client):
+            if (best is not None and self.passes[client] >= best[0]) or not allowed(client):
                 continue
-            queue = self.queues[client]
-            for waiter in queue:
+            for waiter in self.queues[client]:
                 if waiter.spec == spec and (servable is None or servable(waiter)):
-                    self.turn.rotate(-turn - 1)  # the next turn is the next client's
-                    queue.remove(waiter)
-                    self._removed(waiter)
-                    return waiter
-        return None
+                    best = (self.passes[client], turn, waiter)
+                    break
+        if best is None:
+            return None
+        _, turn, waiter = best
+        self.passes[waiter.client] += 1.0 / waiter.weight
+        self.turn.rotate(-turn - 1)  # among equal passes, the next turn is the next client's
+        self.queues[waiter.client].remove(waiter)
+        self._removed(waiter)
+        return waiter

@@ -163,7 +163,7 @@ class ServiceHost(_HandleHost):
         try:
             packed = await self._tell_pool(self.pool, "lease", pack_lease_request(
                 spec, CLIENT_PREFIX + tenant, timeout_s, self.name, self.node, lease_id,
-                self.node, keepalive_s))
+                self.node, keepalive_s, limits.get("weight")))
         finally:
             self.waiting[tenant] -= 1
         lease = unpack_lease(packed)

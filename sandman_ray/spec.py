@@ -38,6 +38,15 @@ def check_snapshot_name(name) -> str:
     return name
 
 
+def number_in(value, low: float, high: float, *, integer: bool = False,
+              above: bool = False) -> bool:
+    """Whether ``value`` is a number (an int with ``integer``; never a bool) from
+    ``low`` (above it, with ``above``) to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    return (low < value if above else low <= value) and value <= high
+
+
 def parse_bytes(value: Union[int, str, None], what: str = "memory") -> Optional[int]:
     """``512Mi``, ``1G``, ``1.5Gi`` or an int of bytes; None stays None."""
     if value is None:

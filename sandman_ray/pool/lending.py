@@ -11,7 +11,7 @@ from typing import Optional
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld
 from sandman_ray.pool.states import Lease, Sandbox, State, reachable
 from sandman_ray.pool.waiters import Waiter
-from sandman_ray.spec import ANYWHERE, MIN_IDLE_TIMEOUT_S, SandboxSpec
+from sandman_ray.spec import ANYWHERE, MIN_IDLE_TIMEOUT_S, SandboxSpec, number_in
 
 # a lease kept alive by its caller (a client of the service): no shorter than an idle
 # timeout may be (the calls of its host reach the pool in rounds, touches.py), at most
@@ -49,12 +49,11 @@ class Lending:
             waits for the same lease, never a second sandbox.
         weight: the client's share of the lending against the others' (1 by default;
             a service tenant's weight), above 0, at most 1000."""
-        if keepalive_s is not None and (isinstance(keepalive_s, bool) or not isinstance(
-                keepalive_s, (int, float)) or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S):
+        if keepalive_s is not None and not number_in(keepalive_s, MIN_KEEPALIVE_S,
+                                                     MAX_KEEPALIVE_S):
             raise ValueError("keepalive_s must be a number of seconds from %g to %g, got %r"
                              % (MIN_KEEPALIVE_S, MAX_KEEPALIVE_S, keepalive_s))
-        if weight is not None and (isinstance(weight, bool) or not isinstance(
-                weight, (int, float)) or not 0 < weight <= 1000):
+        if weight is not None and not number_in(weight, 0, 1000, above=True):
             raise ValueError("weight must be a number above 0, at most 1000, got %r" % (weight,))
         spec = self.config.limited(SandboxSpec.of(spec))
         want, only = await self._placement(node, holder_node)

@@ -24,10 +24,7 @@ def connect_lease(url: str, api_key: str, lease_id: str, *, timeout: float = 10.
     (``http://host:port`` or ``https://...``). Raises AuthError (no valid key),
     LeaseNotHeld (not a lease of the key's tenant), SandboxLost (its sandbox does not
     answer), ConnectionLost (the gateway cannot be reached)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("a service URL is http://HOST:PORT or https://HOST:PORT, got %r"
-                         % url)
+    parts = service_url(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         sock = socket.create_connection((parts.hostname, port), timeout=timeout)
@@ -49,6 +46,16 @@ def connect_lease(url: str, api_key: str, lease_id: str, *, timeout: float = 10.
         raise
     return DaemonClient("%s/v1/leases/%s" % (url, lease_id), None, sock=sock,
                         connect_timeout=timeout, default_timeout=default_timeout)
+
+
+def service_url(url: str):
+    """``url`` split (urllib's SplitResult), if it is a service's: http or https, a
+    host; else ValueError naming it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("a service URL is http://HOST:PORT or https://HOST:PORT, got %r"
+                         % url)
+    return parts
 
 
 def _answer(sock) -> tuple:

@@ -21,11 +21,10 @@ import ssl
 import threading
 import time
 import uuid
-from typing import Dict, Optional, Union
-from urllib.parse import urlsplit
+from typing import Optional, Set, Union
 
 from sandman_ray.errors import ConnectionLost, LeaseEnded, LeaseNotHeld, SandmanError
-from sandman_ray.remote.channel import connect_lease, service_error
+from sandman_ray.remote.channel import connect_lease, service_error, service_url
 from sandman_ray.spec import SandboxSpec
 
 RETRY_SLEEP_S = 0.5  # between the tries of a request whose connection failed
@@ -89,13 +88,10 @@ class RemotePool:
 
     def __init__(self, url: str, api_key: str, *, keepalive_s: float = 30.0,
                  context: Optional[ssl.SSLContext] = None, timeout: float = 30.0):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("a service URL is http://HOST:PORT or https://HOST:PORT, got %r"
-                             % url)
+        parts = service_url(url)
         self.url, self.api_key, self.keepalive_s = url, api_key, keepalive_s
         self.context, self.timeout, self.parts = context, timeout, parts
-        self.held: Dict[str, float] = {}  # lease id -> when it was last kept
+        self.held: Set[str] = set()  # the leases its thread keeps alive
         self.lock = threading.Lock()
         self.keeper: Optional[threading.Thread] = None
         self.closed = threading.Event()
@@ -146,11 +142,11 @@ class RemotePool:
                 lease = self._request("POST", "/v1/leases", body, timeout=timeout + self.timeout)
                 break
             except ConnectionLost:  # asked again with the same request id: the same lease
-                if time.monotonic() + RETRY_SLEEP_S > deadline:
+                if time.monotonic() + RETRY_SLEEP_S > deadline or \
+                        self.closed.wait(RETRY_SLEEP_S):  # closed meanwhile: no more tries
                     raise
-                time.sleep(RETRY_SLEEP_S)
         with self.lock:
-            self.held[lease["lease_id"]] = time.monotonic()
+            self.held.add(lease["lease_id"])
             self._keep_keeping()
         try:
             return RemoteSandbox(self, lease)
@@ -168,7 +164,7 @@ class RemotePool:
 
     def release(self, lease_id: str) -> None:
         with self.lock:
-            self.held.pop(lease_id, None)
+            self.held.discard(lease_id)
         try:
             self._request("DELETE", "/v1/leases/%s" % lease_id)
         except (LeaseNotHeld, LeaseEnded):
@@ -204,6 +200,6 @@ class RemotePool:
                     self._request("POST", "/v1/leases/%s/keepalive" % lease_id)
                 except (LeaseEnded, LeaseNotHeld):
                     with self.lock:
-                        self.held.pop(lease_id, None)
+                        self.held.discard(lease_id)
                 except SandmanError:
                     continue  # the service is away for now: the next round tries again

@@ -26,6 +26,7 @@ import ray
 from sandman_ray import touches
 from sandman_ray.host import HOST_CALLS, _HandleHost
 from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
+from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.service.http import Refusal
 from sandman_ray.service.relay import Gateway, Held
@@ -39,23 +40,6 @@ SLOW_AFTER = 5  # failed keys from one address a minute before each more one is 
 
 def service_name(pool: str) -> str:
     return SERVICE_PREFIX + pool
-
-
-class _Bucket:
-    """Creates per second of one tenant: a token bucket of a second's worth."""
-
-    def __init__(self, rate: float):
-        self.rate, self.tokens, self.at = rate, max(1.0, rate), time.monotonic()
-
-    def take(self) -> Optional[float]:
-        """None when a create may go now, else the seconds to wait."""
-        now = time.monotonic()
-        self.tokens = min(max(1.0, self.rate), self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return None
-        return (1.0 - self.tokens) / self.rate
 
 
 class ServiceHost(_HandleHost):
@@ -82,7 +66,7 @@ class ServiceHost(_HandleHost):
         self.secret = secrets.token_bytes(32)  # request ids -> lease ids, per incarnation
         self.served: Dict[str, Tuple[str, object]] = {}  # lease id -> (tenant, Lease)
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
-        self.buckets: Dict[str, _Bucket] = {}
+        self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
         self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
         self.gateway = Gateway(self.keys.verify, self._find, self._used)
@@ -145,12 +129,11 @@ class ServiceHost(_HandleHost):
         rate = limits.get("creates_per_s")
         if rate:
             bucket = self.buckets.get(tenant)
-            if bucket is None or bucket.rate != rate:
-                bucket = self.buckets[tenant] = _Bucket(rate)
-            wait = bucket.take()
-            if wait is not None:
+            if bucket is None or bucket.max_rate != rate:  # a second's worth at once
+                bucket = self.buckets[tenant] = AdaptiveTokenBucket(rate, max(1, int(rate)))
+            if not bucket.take():
                 raise Refusal(429, "TenantLimit", "tenant %s may acquire %g sandboxes a second"
-                              % (tenant, rate), retry_after=wait)
+                              % (tenant, rate), retry_after=bucket.wait_s())
         if request_id is None:
             lease_id = "L-" + secrets.token_hex(16)
         else:  # the same request id of the same tenant: the same lease, never a second
@@ -192,7 +175,7 @@ class ServiceHost(_HandleHost):
     def _mine(self, tenant: str, lease_id: str):
         served = self.served.get(lease_id)
         if served is None or served[0] != tenant:
-            reason = self.ended.get(lease_id) if lease_id in self.ended else None
+            reason = self.ended.get(lease_id)
             if reason is not None and self.ended_for.get(lease_id) == tenant:
                 raise Refusal(410, "LeaseEnded", "lease %s ended: %s" % (lease_id, reason))
             raise Refusal(404, "LeaseNotFound", "no lease %s" % lease_id)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from sandman_ray.errors import (
     AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError)
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.spec import SandboxSpec, number_in
 
 BODY_MAX = 64 * 1024
 TIMEOUT_MAX_S = 600.0
@@ -177,8 +177,7 @@ def _spec(body: dict) -> SandboxSpec:
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not low <= value <= high:
+    if not number_in(value, low, high):
         raise Refusal(400, "ValidationError", "%s is a number of seconds from %g to %g"
                       % (name, low, high))
     return float(value)

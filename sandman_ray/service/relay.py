@@ -24,6 +24,7 @@ error, and the connection is closed.
 import asyncio
 import json
 import re
+import socket
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -166,7 +167,7 @@ async def open_daemon(address: str, token: str):
     with ``token``; Refused(410) when the daemon does not answer or refuses it."""
     family, where = _parse_address(address)
     try:
-        if address.startswith("unix:"):
+        if family == socket.AF_UNIX:
             with _SocketPath(where) as path:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_unix_connection(path, limit=CHUNK), DAEMON_TIMEOUT_S)

@@ -15,6 +15,7 @@ wait for at once, and creates per second (None: the pool's alone).
 
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
@@ -23,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from sandman_ray.spec import number_in
 
 KEY_PREFIX = "sk_sandman_"
 _KEY = re.compile(r"^sk_sandman_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
@@ -88,15 +91,13 @@ class KeyStore:
                    creates_per_s: Optional[float] = None) -> Dict:
         """Make tenant ``name``, or change what is given of it; the tenant."""
         check_tenant(name)
-        if weight is not None and (isinstance(weight, bool) or not isinstance(
-                weight, (int, float)) or not 0 < weight <= 1000):
+        if weight is not None and not number_in(weight, 0, 1000, above=True):
             raise ValueError("a tenant's weight is a number above 0, at most 1000; got %r"
                              % (weight,))
-        if max_sandboxes is not None and (isinstance(max_sandboxes, bool) or not isinstance(
-                max_sandboxes, int) or max_sandboxes < 1):
+        if max_sandboxes is not None and not number_in(max_sandboxes, 1, math.inf,
+                                                       integer=True):
             raise ValueError("max_sandboxes is an int >= 1; got %r" % (max_sandboxes,))
-        if creates_per_s is not None and (isinstance(creates_per_s, bool) or not isinstance(
-                creates_per_s, (int, float)) or not creates_per_s > 0):
+        if creates_per_s is not None and not number_in(creates_per_s, 0, math.inf, above=True):
             raise ValueError("creates_per_s is a number above 0; got %r" % (creates_per_s,))
         with self.lock:
             self.db.execute("INSERT OR IGNORE INTO tenants (name, created) VALUES (?, ?)",

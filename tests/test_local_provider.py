@@ -213,6 +213,30 @@ def test_create_is_idempotent_under_retries(provider, images):
     run(provider.delete(sandbox_id))  # deleting twice is not an error
 
 
+@pytest.mark.parametrize("head_start", [0, 2, 30])
+def test_a_delete_during_its_create_returns_only_once_nothing_of_it_is_left(
+        provider, images, head_start):
+    """Whether the delete reaches the agent before, with or after its create (sent
+    ``head_start`` ms after it), the sandbox is gone when the delete returns (a
+    snapshot's delete follows at once)."""
+    sandbox_id = new_id()
+
+    async def race():
+        creating = asyncio.ensure_future(
+            provider.create(sandbox_id, SandboxSpec(image=images["dir"]), {}))
+        while sandbox_id not in provider._creating:  # until it is sent to the agent
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(head_start / 1000)
+        await provider.delete(sandbox_id)
+        ended = creating.done()  # else it could still make the sandbox after the delete
+        left = [i.sandbox_id for i in await provider.list()]
+        return ended, left, (await asyncio.gather(creating, return_exceptions=True))[0]
+    ended, left, outcome = run(race())
+    assert ended and sandbox_id not in left
+    assert isinstance(outcome, ProviderError) and "deleted while" in str(outcome), outcome
+    assert sandbox_id not in [i.sandbox_id for i in run(provider.list())]
+
+
 def test_list_filters_by_label(provider, images):
     with Sandbox(provider, images["dir"]) as sb:
         mine = run(provider.list({"sandman.sandbox": sb.id}))

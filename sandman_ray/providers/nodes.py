@@ -57,6 +57,16 @@ class SingleFlight:
             task.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
 
+class _Creating:
+    """A create in flight, as its deletes see it."""
+
+    def __init__(self):
+        self.calls = 0  # creates of this id in flight (a retry joins the first)
+        self.deleted = False  # a delete came while it ran
+        self.removed = False  # ... and the create removed what it made
+        self.ended = asyncio.Event()
+
+
 def unwrapped(exc: ProviderError) -> ProviderError:
     """The agent's ProviderError itself rather than Ray's wrapper around it (whose
     message carries the remote traceback)."""
@@ -79,7 +89,7 @@ class NodeAgentProvider(Provider):
         self._next = 0
         self._nodes = None  # (when, alive node ids)
         self._closed = False  # shut down: no agent is started any more
-        self._creating: Dict[str, bool] = {}  # sandbox id -> deleted while being created
+        self._creating: Dict[str, _Creating] = {}  # sandbox id -> its create in flight
         self._snapshot_nodes: Dict[str, str] = {}  # a snapshot's image -> its node
 
     def agent_class(self):
@@ -180,28 +190,43 @@ class NodeAgentProvider(Provider):
         labels = dict(spec.labels)
         labels.update(labels_given)
         labels.update({POOL_LABEL: self.pool, SANDBOX_LABEL: sandbox_id})
-        self._creating[sandbox_id] = False
+        creating = self._creating.setdefault(sandbox_id, _Creating())  # a retry joins it
+        creating.calls += 1
         try:
-            info = await self.agent(node).create.options(
-                name=pool_task_name("create", self.pool)).remote(sandbox_id, spec, labels)
-        except ray.exceptions.RayActorError as exc:
-            self._where.pop(sandbox_id, None)
-            raise self._agent_gone(node, exc) from exc
-        except ProviderError as exc:
-            self._where.pop(sandbox_id, None)
-            raise unwrapped(exc) from None
+            try:
+                info = await self.agent(node).create.options(
+                    name=pool_task_name("create", self.pool)).remote(sandbox_id, spec, labels)
+            except ray.exceptions.RayActorError as exc:
+                self._where.pop(sandbox_id, None)
+                raise self._agent_gone(node, exc) from exc
+            except ProviderError as exc:
+                self._where.pop(sandbox_id, None)
+                raise unwrapped(exc) from None
+            if creating.deleted:
+                # An async actor may run the delete before the create it followed: the
+                # delete wins either way, and nothing of the create is left.
+                await self._delete(sandbox_id)
+                creating.removed = True
+                raise fatal("sandbox %s was deleted while it was being created" % sandbox_id)
+            return info
         finally:
-            deleted = self._creating.pop(sandbox_id, False)  # two creates of one id: one entry
-        if deleted:
-            # An async actor may run the delete before the create it followed: the
-            # delete wins either way, and nothing of the create is left.
-            await self.delete(sandbox_id)
-            raise fatal("sandbox %s was deleted while it was being created" % sandbox_id)
-        return info
+            creating.calls -= 1
+            if not creating.calls:
+                self._creating.pop(sandbox_id, None)
+                creating.ended.set()
 
     async def delete(self, sandbox_id: str) -> None:
-        if sandbox_id in self._creating:
-            self._creating[sandbox_id] = True
+        """Remove the sandbox; a create of it in flight is waited for first, so that
+        nothing of it appears after this returns."""
+        creating = self._creating.get(sandbox_id)
+        if creating is not None:
+            creating.deleted = True
+            await creating.ended.wait()
+            if creating.removed:
+                return
+        await self._delete(sandbox_id)
+
+    async def _delete(self, sandbox_id: str) -> None:
         node = self._where.pop(sandbox_id, None)
         for node_id in [node] if node else await self.alive_nodes():
             agent = self.existing_agent(node_id)

@@ -202,7 +202,7 @@ class NodeAgent:
         try:
             await check_answers(self._info(sandbox_id))  # what READY means, on this node
         except BaseException:
-            await self.delete(sandbox_id)
+            await self._delete(sandbox_id)
             raise
         return self._info(sandbox_id)
 
@@ -244,11 +244,13 @@ class NodeAgent:
                      "isolation": self.isolation})
 
     async def delete(self, sandbox_id: str) -> None:
-        """Remove the sandbox and what it left, once its reset in flight (if any) has
-        ended: removed under a reset, it would be started again on a range given back."""
-        reset = self.resets.get(sandbox_id)
-        if reset is not None:
-            await asyncio.wait([reset])
+        """Remove the sandbox and what it left, once its create or reset in flight (if
+        any) has ended: removed under a reset, it would be started again on a range
+        given back; under its create, it would appear after its delete."""
+        running = [task for task in (self.creating.running.get(sandbox_id),
+                                     self.resets.get(sandbox_id)) if task is not None]
+        if running:
+            await asyncio.wait(running)
         await self._delete(sandbox_id)
 
     async def _delete(self, sandbox_id: str) -> None:

@@ -20,13 +20,12 @@ thaws it before it is reset for the next holder.
 """
 
 import asyncio
-import shlex
-from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 from sandman_ray.api import SpecLike, acquire_async, get_pool, release_async
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.lookup import call_pool, call_pool_async
+from sandman_ray.forking import SESSION_STATE, replay_error, run_to_end, session_state
 from sandman_ray.spec import SandboxSpec
 
 
@@ -93,13 +92,7 @@ def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
     ``timeout``, those acquired are released and the error is raised. (``fork_async``
     on an event loop of this call's own: on a thread of its own where this thread
     already runs one, a notebook's say.)"""
-    work = fork_async(handle, n, timeout, keep_snapshot)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(work)
-    with ThreadPoolExecutor(1) as thread:
-        return thread.submit(asyncio.run, work).result()
+    return run_to_end(fork_async(handle, n, timeout, keep_snapshot))
 
 
 async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
@@ -107,7 +100,7 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
     """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
     _check_count(n)
     _pool_of(handle)
-    state = _session_state(await handle.run_async(SESSION_STATE))
+    state = session_state(await handle.run_async(SESSION_STATE))
     spec = _fork_spec(await call_pool_async(handle.pool, "snapshot", handle.lease_id,
                                             handle._host_name, None, not keep_snapshot))
     got = await asyncio.gather(*(acquire_async(spec, handle.pool, timeout) for _ in range(n)),
@@ -117,35 +110,11 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
     if not errors and state:
         done = await asyncio.gather(*(sb.run_async(state) for sb in forks),
                                     return_exceptions=True)
-        errors = [e for e in (_replay_error(sb, r) for sb, r in zip(forks, done)) if e]
+        errors = [e for e in (replay_error(sb.sandbox, r) for sb, r in zip(forks, done)) if e]
     if errors:
         await asyncio.gather(*(release_async(sb) for sb in forks))
         raise errors[0]
     return forks
-
-
-# what the parent's default session prints of its place: its working directory, then
-# its exported variables as the same shell reads them back
-SESSION_STATE = "pwd; export -p"
-
-
-def _session_state(result) -> str:
-    """The shell lines that bring a new default session to where the parent's is, from
-    what SESSION_STATE printed there ("" if it failed)."""
-    if result.exit_code != 0:
-        return ""
-    cwd, _, exports = result.stdout.decode("utf-8", "surrogateescape").partition("\n")
-    return "cd -- %s\n%s" % (shlex.quote(cwd), exports)
-
-
-def _replay_error(sb: SandboxHandle, result) -> Optional[BaseException]:
-    """Why a fork's session did not take its parent's place (None: it did)."""
-    if isinstance(result, BaseException):
-        return result
-    if result.exit_code != 0:
-        return RuntimeError("fork %s: its session did not take its parent's working "
-                            "directory and variables: %s" % (sb.sandbox, result.stderr[-500:]))
-    return None
 
 
 def pause(handle: SandboxHandle, reclaim: bool = False) -> None:

@@ -80,6 +80,16 @@ class AsyncDaemonClient(_Operations):
             raise
         return client
 
+    @classmethod
+    def over(cls, transport: asyncio.Transport, address: str,
+             default_timeout: Optional[float] = None) -> "AsyncDaemonClient":
+        """A client of a connection whose hello was said already (the service's
+        gateway said it: ``sandman_ray.remote``); ``address`` then only names it."""
+        client = cls(address, default_timeout)
+        client._transport = transport
+        transport.set_protocol(_ClientProtocol(client))
+        return client
+
     @property
     def closed(self) -> bool:
         return self._error is not None

@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 import ray
 
 from sandman_ray import touches
+from sandman_ray.errors import ProviderError
 from sandman_ray.host import HOST_CALLS, _HandleHost
 from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
@@ -36,6 +37,11 @@ from sandman_ray.spec import SandboxSpec, parse_image
 SERVICE_PREFIX = HOST_PREFIX + "svc-"
 CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
 SLOW_AFTER = 5  # failed keys from one address a minute before each more one is slowed
+
+
+def snapshot_prefix(tenant: str) -> str:
+    """What the pool's names of a tenant's snapshots begin with (10 characters)."""
+    return "t%s-" % hashlib.sha256(tenant.encode()).hexdigest()[:8]
 
 
 def service_name(pool: str) -> str:
@@ -65,6 +71,7 @@ class ServiceHost(_HandleHost):
         self.keys = KeyStore(keys_path)
         self.secret = secrets.token_bytes(32)  # request ids -> lease ids, per incarnation
         self.served: Dict[str, Tuple[str, object]] = {}  # lease id -> (tenant, Lease)
+        self.held: Dict[str, int] = {}  # tenant -> leases served
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
@@ -89,7 +96,7 @@ class ServiceHost(_HandleHost):
         Their keepalives kept them meanwhile."""
         for lease in await self._tell_pool(self.pool, "held_by", self.name):
             if lease.client.startswith(CLIENT_PREFIX) and lease.keepalive_s:
-                self.served[lease.lease_id] = (lease.client[len(CLIENT_PREFIX):], lease)
+                self._serve(lease.client[len(CLIENT_PREFIX):], lease.lease_id, lease)
                 await self.take(lease)
 
     async def stop(self) -> int:
@@ -100,8 +107,14 @@ class ServiceHost(_HandleHost):
         for lease_id in ids:
             await self.release(lease_id, self.pool)
         self.served.clear()
+        self.held.clear()
         self.keys.close()
         return len(ids)
+
+    def _serve(self, tenant: str, lease_id: str, lease) -> None:
+        if lease_id not in self.served:
+            self.held[tenant] = self.held.get(tenant, 0) + 1
+        self.served[lease_id] = (tenant, lease)
 
     # ---- what the relay asks
     def _find(self, lease_id: str) -> Optional[Held]:
@@ -119,9 +132,9 @@ class ServiceHost(_HandleHost):
     # ---- the control plane's core (service/http.py)
     async def acquire(self, tenant: str, spec: SandboxSpec, timeout_s: float,
                       keepalive_s: float, request_id: Optional[str]) -> dict:
-        self._allowed(spec)
+        self._allowed(tenant, spec)
         limits = self.keys.tenant(tenant) or {}
-        held = sum(1 for t, _ in self.served.values() if t == tenant)
+        held = self.held.get(tenant, 0)
         most = limits.get("max_sandboxes")
         if most is not None and held + self.waiting.get(tenant, 0) >= most:
             raise Refusal(429, "TenantLimit", "tenant %s holds or waits for %d sandboxes, its "
@@ -150,17 +163,21 @@ class ServiceHost(_HandleHost):
         finally:
             self.waiting[tenant] -= 1
         lease = unpack_lease(packed)
-        self.served[lease_id] = (tenant, lease)
+        self._serve(tenant, lease_id, lease)
         return self._described(lease_id, lease)
 
-    @staticmethod
-    def _allowed(spec: SandboxSpec) -> None:
-        """What a tenant may not ask of the node: the host's files, or the kernel's
-        calls the policy refuses."""
-        kind, _, _ = parse_image(spec.image)
+    def _allowed(self, tenant: str, spec: SandboxSpec) -> None:
+        """What a tenant may not ask of the node: the host's files, another tenant's
+        snapshots, or the kernel's calls the policy refuses."""
+        kind, where, _ = parse_image(spec.image)
         if kind in ("host", "dir"):
             raise Refusal(403, "Forbidden", "image %r: a tenant of the service runs images, "
                           "not the host's files" % spec.image)
+        pool, _, name = where.partition("/")
+        if kind == "snapshot" and (pool != self.pool or
+                                   not name.startswith(snapshot_prefix(tenant))):
+            raise ProviderError("image %r: pool %s has no such snapshot" % (spec.image, pool),
+                                "fatal")
         if spec.capabilities or spec.network_allow:
             raise Refusal(403, "Forbidden", "capabilities and network_allow are the "
                           "operator's: a tenant of the service may not ask for them")
@@ -197,6 +214,55 @@ class ServiceHost(_HandleHost):
         if not kept:
             raise Refusal(410, "LeaseEnded", "lease %s ended" % lease_id)
 
+    async def keep_many(self, tenant: str, lease_ids: list) -> dict:
+        """Keep the tenant's leases ``lease_ids`` alive; those that ended (or were
+        never its) are named."""
+        mine = [i for i in lease_ids if self.served.get(i, ("",))[0] == tenant]
+        kept = await self._tell_pool(self.pool, "keep_many", [(i, self.name) for i in mine])
+        ended = [i for i in lease_ids if self.served.get(i, ("",))[0] != tenant]
+        return {"kept": kept, "ended": ended}
+
+    async def pause(self, tenant: str, lease_id: str, reclaim: bool) -> None:
+        self._mine(tenant, lease_id)
+        if not await self._tell_pool(self.pool, "pause", lease_id, self.name, reclaim):
+            raise Refusal(410, "LeaseEnded", "lease %s ended" % lease_id)
+
+    async def resume(self, tenant: str, lease_id: str) -> None:
+        self._mine(tenant, lease_id)
+        if not await self._tell_pool(self.pool, "resume", lease_id, self.name):
+            raise Refusal(410, "LeaseEnded", "lease %s ended" % lease_id)
+
+    async def snapshot(self, tenant: str, lease_id: str, name: Optional[str],
+                       for_fork: bool) -> dict:
+        """The lease's files as a snapshot of the tenant's (``name``: 1 to 53 letters,
+        digits, '.', '_' or '-'); only this tenant can start sandboxes of it."""
+        self._mine(tenant, lease_id)
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= 53):
+            raise Refusal(400, "ValidationError", "a snapshot's name is 1 to 53 letters, "
+                          "digits, '.', '_' or '-'")
+        name = snapshot_prefix(tenant) + (name or "snap-" + secrets.token_hex(6))
+        info = await self._tell_pool(self.pool, "snapshot", lease_id, self.name, name, for_fork)
+        return self._snapshot_seen(tenant, info)
+
+    async def snapshots_of(self, tenant: str) -> list:
+        prefix = snapshot_prefix(tenant)
+        return [self._snapshot_seen(tenant, info)
+                for info in await self._tell_pool(self.pool, "snapshots")
+                if info["name"].startswith(prefix)]
+
+    async def delete_snapshot(self, tenant: str, name: str) -> None:
+        full = snapshot_prefix(tenant) + name
+        if not any(i["name"] == full for i in await self._tell_pool(self.pool, "snapshots")):
+            raise Refusal(404, "SnapshotNotFound", "no snapshot %r" % name)
+        await self._tell_pool(self.pool, "delete_snapshot", full)
+
+    @staticmethod
+    def _snapshot_seen(tenant: str, info: dict) -> dict:
+        """A snapshot as its tenant sees it: its own name, not the node's paths."""
+        keep = ("image", "size_bytes", "created_at", "sandboxes", "warm", "for_fork", "spec")
+        return dict({k: info[k] for k in keep if k in info},
+                    name=info["name"][len(snapshot_prefix(tenant)):])
+
     async def status_of(self, tenant: str) -> dict:
         pool = await self._tell_pool(self.pool, "status")
         return {"tenant": tenant, "leases": len(self.leases_of(tenant)),
@@ -221,6 +287,7 @@ class ServiceHost(_HandleHost):
     def _take(self, lease_id: str, reason: str = "released by its holder"):
         served = self.served.pop(lease_id, None)
         if served is not None:
+            self.held[served[0]] -= 1
             if len(self.ended_for) > 4096:
                 self.ended_for.clear()
             self.ended_for[lease_id] = served[0]

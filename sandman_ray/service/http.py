@@ -11,6 +11,13 @@ API raises it; another tenant's lease answers 404 exactly as one that never exis
     GET    /v1/leases/{id}          one of them
     DELETE /v1/leases/{id}          release -> 204
     POST   /v1/leases/{id}/keepalive -> 204 (every relayed call keeps it too)
+    POST   /v1/keepalive            {"leases": [ids]} -> {"kept": n, "ended": [ids]}
+    POST   /v1/leases/{id}/pause    {"reclaim"} -> 204: frozen, memory kept
+    POST   /v1/leases/{id}/resume   -> 204
+    POST   /v1/leases/{id}/snapshot {"name", "for_fork"} -> 201 the snapshot (its
+                                    "image" starts sandboxes of it; "spec" a fork's)
+    GET    /v1/snapshots            the tenant's snapshots
+    DELETE /v1/snapshots/{name}     -> 204
     GET    /v1/leases/{id}/connect  the data plane (relay.py), on the data port
     GET    /v1/status               the tenant's leases and limits, the pool's counts
 
@@ -24,11 +31,13 @@ from typing import Optional
 from aiohttp import web
 
 from sandman_ray.errors import (
-    AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError)
+    AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError,
+    SnapshotInUse)
 from sandman_ray.spec import SandboxSpec, number_in
 
 BODY_MAX = 64 * 1024
 TIMEOUT_MAX_S = 600.0
+KEEP_MAX = 1000  # lease ids in one keepalive
 
 
 class Refusal(Exception):
@@ -50,7 +59,8 @@ def error_response(status: int, kind: str, message: str,
 
 
 # the errors of the Python API, as statuses
-_STATUS = ((AcquireTimeout, 408), (LeaseNotHeld, 404), (LeaseEnded, 410), (SandboxLost, 410))
+_STATUS = ((AcquireTimeout, 408), (LeaseNotHeld, 404), (LeaseEnded, 410), (SandboxLost, 410),
+           (SnapshotInUse, 409))
 
 
 def app(core, verify) -> web.Application:
@@ -100,10 +110,8 @@ def app(core, verify) -> web.Application:
         return await handler(request)
 
     async def acquire(request):
-        body = await _body(request)
-        unknown = set(body) - {"image", "spec", "timeout_s", "keepalive_s", "request_id"}
-        if unknown:
-            raise Refusal(400, "ValidationError", "unknown fields: %s" % ", ".join(sorted(unknown)))
+        body = _fields(await _body(request),
+                       {"image", "spec", "timeout_s", "keepalive_s", "request_id"})
         spec = _spec(body)
         timeout_s = _number(body, "timeout_s", 60.0, 0.001, TIMEOUT_MAX_S)
         keepalive_s = _number(body, "keepalive_s", 30.0, 5.0, 3600.0)
@@ -128,6 +136,43 @@ def app(core, verify) -> web.Application:
         await core.keep(request["tenant"], request.match_info["id"])
         return web.Response(status=204)
 
+    async def keep_many(request):
+        body = _fields(await _body(request), {"leases"})
+        ids = body.get("leases")
+        if not isinstance(ids, list) or len(ids) > KEEP_MAX or \
+                not all(isinstance(i, str) and 0 < len(i) <= 64 for i in ids):
+            raise Refusal(400, "ValidationError", "leases is a list of at most %d lease ids"
+                          % KEEP_MAX)
+        return web.json_response(await core.keep_many(request["tenant"], ids))
+
+    async def pause(request):
+        body = _fields(await _body(request), {"reclaim"})
+        reclaim = body.get("reclaim", False)
+        if not isinstance(reclaim, bool):
+            raise Refusal(400, "ValidationError", "reclaim is true or false")
+        await core.pause(request["tenant"], request.match_info["id"], reclaim)
+        return web.Response(status=204)
+
+    async def resume(request):
+        _fields(await _body(request), set())
+        await core.resume(request["tenant"], request.match_info["id"])
+        return web.Response(status=204)
+
+    async def snapshot(request):
+        body = _fields(await _body(request), {"name", "for_fork"})
+        name, for_fork = body.get("name"), body.get("for_fork", False)
+        if name is not None and not isinstance(name, str) or not isinstance(for_fork, bool):
+            raise Refusal(400, "ValidationError", "name is a string, for_fork true or false")
+        return web.json_response(await core.snapshot(
+            request["tenant"], request.match_info["id"], name, for_fork), status=201)
+
+    async def snapshots(request):
+        return web.json_response(await core.snapshots_of(request["tenant"]))
+
+    async def delete_snapshot(request):
+        await core.delete_snapshot(request["tenant"], request.match_info["name"])
+        return web.Response(status=204)
+
     async def status(request):
         return web.json_response(await core.status_of(request["tenant"]))
 
@@ -143,6 +188,10 @@ def app(core, verify) -> web.Application:
         web.post("/v1/leases", acquire), web.get("/v1/leases", leases),
         web.get("/v1/leases/{id}", one), web.delete("/v1/leases/{id}", release),
         web.post("/v1/leases/{id}/keepalive", keepalive), web.get("/v1/status", status),
+        web.post("/v1/keepalive", keep_many), web.post("/v1/leases/{id}/pause", pause),
+        web.post("/v1/leases/{id}/resume", resume),
+        web.post("/v1/leases/{id}/snapshot", snapshot), web.get("/v1/snapshots", snapshots),
+        web.delete("/v1/snapshots/{name}", delete_snapshot),
         web.get("/v1/openapi.json", openapi), web.get("/v1/healthz", healthz)])
     return application
 
@@ -156,6 +205,13 @@ async def _body(request) -> dict:
         raise Refusal(400, "ValidationError", "the body is not JSON") from None
     if not isinstance(body, dict):
         raise Refusal(400, "ValidationError", "the body is a JSON object")
+    return body
+
+
+def _fields(body: dict, known: set) -> dict:
+    unknown = set(body) - known
+    if unknown:
+        raise Refusal(400, "ValidationError", "unknown fields: %s" % ", ".join(sorted(unknown)))
     return body
 
 

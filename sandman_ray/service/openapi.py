@@ -43,6 +43,14 @@ def _spec_schema() -> dict:
             "properties": {name: _FIELDS.get(name, {}) for name in fields}}
 
 
+_object = {"application/json": {"schema": {"type": "object"}}}
+
+
+def _body(properties: dict) -> dict:
+    return {"content": {"application/json": {"schema": {
+        "type": "object", "additionalProperties": False, "properties": properties}}}}
+
+
 def document() -> dict:
     lease_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     json_lease = {"application/json": {"schema": {"$ref": "#/components/schemas/Lease"}}}
@@ -83,6 +91,47 @@ def document() -> dict:
                 "post": {"summary": "keep a lease alive", "parameters": [lease_id],
                          "responses": dict({"204": {"description": "kept"}},
                                            **_errors(401, 404, 410, 503))}},
+            "/v1/keepalive": {
+                "post": {"summary": "keep many leases alive", "requestBody": {"content": {
+                    "application/json": {"schema": {
+                        "type": "object", "additionalProperties": False, "required": ["leases"],
+                        "properties": {"leases": {"type": "array", "maxItems": 1000,
+                                                  "items": {"type": "string", "minLength": 1,
+                                                            "maxLength": 64}}}}}}},
+                         "responses": dict({"200": {"description": "how many were kept, and "
+                                                    "the ids that are not the tenant's leases",
+                                                    "content": _object}},
+                                           **_errors(400, 401, 413, 503))}},
+            "/v1/leases/{id}/pause": {
+                "post": {"summary": "freeze the lease's sandbox (memory kept)",
+                         "parameters": [lease_id], "requestBody": _body({
+                             "reclaim": {"type": "boolean"}}),
+                         "responses": dict({"204": {"description": "paused"}},
+                                           **_errors(400, 401, 404, 410, 422, 503))}},
+            "/v1/leases/{id}/resume": {
+                "post": {"summary": "let a paused sandbox run again", "parameters": [lease_id],
+                         "requestBody": _body({}),
+                         "responses": dict({"204": {"description": "running"}},
+                                           **_errors(400, 401, 404, 410, 503))}},
+            "/v1/leases/{id}/snapshot": {
+                "post": {"summary": "the lease's files as a snapshot of the tenant's",
+                         "parameters": [lease_id], "requestBody": _body({
+                             "name": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,53}$"},
+                             "for_fork": {"type": "boolean"}}),
+                         "responses": dict({"201": {"description": "the snapshot: its image "
+                                                    "starts sandboxes of it",
+                                                    "content": _object}},
+                                           **_errors(400, 401, 404, 410, 422, 503))}},
+            "/v1/snapshots": {"get": {"summary": "the tenant's snapshots", "responses": dict(
+                {"200": {"description": "snapshots", "content": {"application/json": {
+                    "schema": {"type": "array", "items": {"type": "object"}}}}}},
+                **_errors(401, 503))}},
+            "/v1/snapshots/{name}": {
+                "delete": {"summary": "delete a snapshot of the tenant's", "parameters": [
+                    {"name": "name", "in": "path", "required": True,
+                     "schema": {"type": "string"}}],
+                    "responses": dict({"204": {"description": "deleted"}},
+                                      **_errors(401, 404, 409, 503))}},
             "/v1/status": {"get": {"summary": "the tenant's leases and limits, the pool's "
                                               "counts", "responses": dict(
                 {"200": {"description": "status", "content": {"application/json": {

@@ -33,6 +33,7 @@ from sandman_ray.forking import SESSION_STATE, replay_error, run_to_end, session
 from sandman_ray.spec import SandboxSpec
 
 RETRY_SLEEP_S = 0.5  # between the tries of a request whose connection failed
+KEEP_MAX = 1000  # lease ids in one keepalive request (service/http.py takes no more)
 STREAMS = frozenset({"exec_stream"})  # operations whose asyncio form is an async iterator
 
 
@@ -373,9 +374,11 @@ class RemotePool:
                 leases = list(self.held)
             if not leases:
                 return
-            try:  # one request for them all; those that ended are named
-                answer = self._request("POST", "/v1/keepalive", {"leases": leases})
-            except SandmanError:
-                continue  # the service is away for now: the next round tries again
-            with self.lock:
-                self.held.difference_update(answer.get("ended", ()))
+            for first in range(0, len(leases), KEEP_MAX):  # a request per thousand
+                try:
+                    answer = self._request("POST", "/v1/keepalive",
+                                           {"leases": leases[first:first + KEEP_MAX]})
+                except SandmanError:
+                    continue  # the service is away for now: the next round tries again
+                with self.lock:  # those that ended (reclaimed, released elsewhere)
+                    self.held.difference_update(answer.get("ended", ()))

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -235,6 +236,24 @@ def test_a_delete_during_its_create_returns_only_once_nothing_of_it_is_left(
     assert ended and sandbox_id not in left
     assert isinstance(outcome, ProviderError) and "deleted while" in str(outcome), outcome
     assert sandbox_id not in [i.sandbox_id for i in run(provider.list())]
+
+
+def test_a_sandbox_with_many_sessions_gets_no_more_cpu_than_its_neighbour(provider, images):
+    """Every command a sandbox runs is a session of its own; were each session a
+    scheduling group of its own (the kernel's autogroups, outside any cpu cgroup),
+    eight busy commands would take eight times the CPU of a neighbour's one. Each
+    sandbox is one group: on one CPU, the two sandboxes share it about evenly."""
+    busy = "taskset -c 0 sh -c 'while :; do :; done'"
+    cpu_ticks = "awk '{s += $14 + $15} END {print s}' /proc/[0-9]*/stat"
+    with Sandbox(provider, images["dir"]) as many, Sandbox(provider, images["dir"]) as one:
+        for _ in range(8):
+            many.client.spawn(["sh", "-c", busy])
+        one.client.spawn(["sh", "-c", busy])
+        before = [int(sb.client.exec(["sh", "-c", cpu_ticks]).stdout) for sb in (many, one)]
+        time.sleep(3)  # the window the CPU is measured over
+        after = [int(sb.client.exec(["sh", "-c", cpu_ticks]).stdout) for sb in (many, one)]
+    used_many, used_one = (a - b for a, b in zip(after, before))
+    assert used_one >= 0.6 * used_many, (used_many, used_one)
 
 
 def test_list_filters_by_label(provider, images):

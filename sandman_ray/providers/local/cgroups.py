@@ -24,7 +24,10 @@ class Cgroups:
     A sandbox without limits still gets a group (v1: pids, with no limit; v2: one with
     no controllers): it holds every process of the sandbox, so that removing the
     sandbox, the janitor and ``leftovers`` find each one, even one that outlived its
-    bwrap. Such a group is made and joined where the host allows (``tracking``): a
+    bwrap. Under v1 it gets a cpu group too, with no limit: the scheduler then shares
+    the CPU between sandboxes, not between their sessions (outside any cpu group,
+    each process a sandbox starts in a session of its own, as every command is, would
+    weigh as much as a whole other sandbox: the kernel's autogroups). Such a group is made and joined where the host allows (``tracking``): a
     host whose cgroups look writable but refuse it still starts the sandbox."""
 
     ROOT = Path("/sys/fs/cgroup")  # the v1 controllers' parent, or the v2 hierarchy
@@ -56,7 +59,7 @@ class Cgroups:
 
     def _create_v1(self, wanted) -> None:
         for controller, value in wanted.items():
-            if (value is None and controller != "pids") \
+            if (value is None and controller == "memory") \
                     or not os.access(self.ROOT / controller, os.W_OK):
                 continue
             path = self.ROOT / controller / self.group

@@ -4,7 +4,8 @@ mini-swe-agent loads it by its import path, from a config file::
 
     environment:
       environment_class: sandman_ray.integrations.minisweagent.SandmanEnvironment
-      pool: default                # the sandman pool to lease from
+      pool: default                # the sandman pool to lease from (or a service's
+                                   # URL, its key in $SANDMAN_API_KEY)
       image: builtin:debian        # or spec: {image: ..., memory: 2Gi, workdir: /testbed}
       cwd: /testbed
       timeout: 60
@@ -43,13 +44,12 @@ from sandman_ray.integrations import require_python
 
 require_python("minisweagent", "mini-swe-agent 2.4", (3, 10))
 
-import sandman_ray as sandman  # noqa: E402  (after the check: Ray needs no older Python)
 from sandman_ray.errors import DaemonError, SandmanError  # noqa: E402
 from sandman_ray.handle import SandboxHandle  # noqa: E402
 from sandman_ray.integrations.sandboxes import (  # noqa: E402
-    MERGE_STDERR, ensure_ray, sandbox_spec)
+    MERGE_STDERR, Leases, check_pool, sandbox_spec)
 from sandman_ray.integrations.steps import step_done  # noqa: E402
-from sandman_ray.spec import SandboxSpec, check_pool_name  # noqa: E402
+from sandman_ray.spec import SandboxSpec  # noqa: E402
 
 try:
     from minisweagent.environments.local import LocalEnvironment
@@ -95,7 +95,8 @@ class SandmanEnvironmentConfig(BaseModel):
     interpreter: List[str] = ["/bin/sh", "-c"]
     """The argv that runs an action, the action appended (``["bash", "-c"]``, say)."""
     pool: str = "default"
-    """The sandman pool to lease from (``default`` is created if missing)."""
+    """The sandman pool to lease from (``default`` is created if missing), or a sandman
+    service's URL (``https://HOST:PORT``; its API key in $SANDMAN_API_KEY)."""
     image: Optional[str] = None
     """The sandbox image (``builtin:debian`` when neither this nor ``spec`` is set)."""
     spec: Optional[Dict[str, Any]] = None
@@ -132,7 +133,7 @@ class SandmanEnvironmentConfig(BaseModel):
     @field_validator("pool")
     @classmethod
     def _pool_name(cls, value):
-        return check_pool_name(value)
+        return check_pool(value)
 
     @model_validator(mode="after")
     def _one_sandbox_spec(self):
@@ -155,10 +156,9 @@ class SandmanEnvironment:
 
     def __init__(self, *, config_class: type = SandmanEnvironmentConfig, **kwargs):
         self.config = config_class(**kwargs)
-        ensure_ray()
-        self.sandbox: Optional[SandboxHandle] = sandman.acquire(
-            self.config.sandbox_spec, pool=self.config.pool,
-            timeout=self.config.acquire_timeout_s, auto_resume=True)
+        self._leases = Leases(self.config.pool)
+        self.sandbox: Optional[SandboxHandle] = self._leases.acquire(
+            self.config.sandbox_spec, self.config.acquire_timeout_s)
         self.sandbox_id = self.sandbox.sandbox
         self._system_vars: Optional[Dict[str, str]] = None
         logger.info("leased sandbox %s from pool %s", self.sandbox_id, self.config.pool)
@@ -223,7 +223,7 @@ class SandmanEnvironment:
         """Give the sandbox back to the pool (once; later calls do nothing)."""
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
-            sandman.release(sandbox)
+            self._leases.release(sandbox)
             logger.info("released sandbox %s to pool %s", self.sandbox_id, self.config.pool)
 
     cleanup = close  # the name mini-swe-agent's container environments use

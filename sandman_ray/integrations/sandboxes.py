@@ -1,21 +1,24 @@
 """What the integrations share about their sandboxes: which sandbox a config describes
-(``image`` or ``spec``), the Ray they lease it on, a task's working directory made
-ready in it (its files, a shell there, its setup), and the one rule for how much of a
-command's output a model is shown.
+(``image`` or ``spec``), where they lease it (``Leases``: a pool of this Ray cluster,
+or of a sandman service), a task's working directory made ready in it (its files, a
+shell there, its setup), and the one rule for how much of a command's output a model
+is shown.
 
 verl's tool, SkyRL's env, mini-swe-agent's environment and SWE-ReX's deployment each
 take these from here, so that one config means the same sandbox everywhere and a task
 is prepared the same way whichever framework runs it.
 """
 
+import os
 from typing import Any, Mapping, Optional, Union
 
 import ray
 
+import sandman_ray as sandman
 from sandman_ray.client import tar_of
 from sandman_ray.errors import SandmanError
 from sandman_ray.results import ExecResult
-from sandman_ray.spec import SandboxSpec
+from sandman_ray.spec import SandboxSpec, check_pool_name
 
 # Runs the argv after it with stderr on stdout, one stream in the order written (what a
 # terminal or a merged pipe shows); ``exec`` keeps the command the process the daemon
@@ -30,6 +33,72 @@ def sandbox_spec(image: Optional[str], spec: Optional[Mapping[str, Any]]) -> San
     """The sandbox a config describes: ``image`` alone, or ``spec`` (a dict of
     SandboxSpec fields); both given, or a bad value, is a ValueError that names it."""
     return SandboxSpec.from_config(image, spec)
+
+
+API_KEY_VARIABLE = "SANDMAN_API_KEY"  # a service's key, where a config names its URL
+
+
+def check_pool(pool: Any) -> Any:
+    """A config's ``pool``: a pool's name (of this Ray cluster), a service's URL
+    (``http(s)://HOST:PORT``; its key in $SANDMAN_API_KEY), or a pool of a service
+    (``sandman_ray.connect(...)``); a ValueError that names what is wrong."""
+    if isinstance(pool, str) and pool.startswith(("http://", "https://")):
+        from sandman_ray.remote.channel import service_url
+        service_url(pool)
+        return pool
+    if callable(getattr(pool, "acquire_async", None)) and callable(getattr(pool, "release", None)):
+        return pool
+    try:
+        return check_pool_name(pool)
+    except ValueError as exc:
+        raise ValueError("%s (or give a service's URL, http(s)://HOST:PORT, or "
+                         "sandman_ray.connect(...)'s pool)" % exc) from None
+
+
+class Leases:
+    """Where an integration leases its sandboxes: ``pool`` (see ``check_pool``). The
+    handles either gives have the same methods (``exec``, ``run_async``...); through
+    Ray they resume on a call (``auto_resume``), as steps.py expects."""
+
+    def __init__(self, pool: Any):
+        pool = check_pool(pool)
+        self.remote = None
+        if isinstance(pool, str) and pool.startswith(("http://", "https://")):
+            from sandman_ray.remote import connect
+            key = os.environ.get(API_KEY_VARIABLE)
+            if not key:
+                raise ValueError("pool %s is a service: its API key goes in $%s"
+                                 % (pool, API_KEY_VARIABLE))
+            self.remote, self.name = connect(pool, key), pool
+        elif isinstance(pool, str):
+            self.name = pool
+        else:
+            self.remote, self.name = pool, pool.url
+
+    def acquire(self, spec: SandboxSpec, timeout: float):
+        if self.remote is not None:
+            return self.remote.acquire(spec, timeout=timeout)
+        ensure_ray()
+        return sandman.acquire(spec, pool=self.name, timeout=timeout, auto_resume=True)
+
+    async def acquire_async(self, spec: SandboxSpec, timeout: float):
+        if self.remote is not None:
+            return await self.remote.acquire_async(spec, timeout=timeout)
+        ensure_ray()
+        return await sandman.acquire_async(spec, pool=self.name, timeout=timeout,
+                                           auto_resume=True)
+
+    def release(self, sandbox) -> None:
+        if self.remote is not None:
+            sandbox.release()
+        else:
+            sandman.release(sandbox)
+
+    async def release_async(self, sandbox) -> None:
+        if self.remote is not None:
+            await sandbox.release_async()
+        else:
+            await sandman.release_async(sandbox)
 
 
 def ensure_ray() -> None:

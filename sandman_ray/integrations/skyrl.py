@@ -25,7 +25,8 @@ training, in every process that calls ``skyrl_gym.make``.
 
 env_config (SkyRL's ``environment.skyrl_gym.sandman-bash``; a dict, DictConfig or
 dataclass; all optional):
-    pool: the sandman pool to lease from (``default``).
+    pool: the sandman pool to lease from (``default``): a pool's name, a service's URL
+        (its key in $SANDMAN_API_KEY) or ``sandman_ray.connect(...)``'s pool.
     image: the sandbox image (``builtin:debian``), or spec: a dict of SandboxSpec fields.
     workdir: where the task's files land and the shell starts (``/tmp/work``).
     max_turns: used when extras has none (10).
@@ -63,12 +64,11 @@ import skyrl_gym  # noqa: E402  (after the check: skyrl-gym's own import says no
 from skyrl_gym.envs.base_text_env import (  # noqa: E402
     BaseTextEnv, BaseTextEnvStepOutput, ConversationType)
 
-import sandman_ray as sandman  # noqa: E402
 from sandman_ray.errors import DaemonError, SandmanError  # noqa: E402
 from sandman_ray.integrations.sandboxes import (  # noqa: E402
-    SESSION, check_workdir, clip, output_text, prepare, sandbox_spec)
+    SESSION, Leases, check_workdir, clip, output_text, prepare, sandbox_spec)
 from sandman_ray.integrations.steps import step_done  # noqa: E402
-from sandman_ray.spec import SandboxSpec, check_pool_name  # noqa: E402
+from sandman_ray.spec import SandboxSpec  # noqa: E402
 
 __all__ = ["ACTION_FORMAT", "ENV_ID", "SandboxTextEnv", "register_envs"]
 
@@ -109,9 +109,10 @@ class SandboxTextEnv(BaseTextEnv):
                              % (unknown, sorted(_CONFIG_KEYS)))
         extras = _plain(extras, "extras")
         try:
-            self.pool = check_pool_name(config.get("pool", "default"))
+            self.leases = Leases(config.get("pool", "default"))
         except ValueError as exc:
             raise ValueError("SandboxTextEnv: env_config['pool']: %s" % exc) from None
+        self.pool = self.leases.name
         self.sandbox_spec = _spec(config, extras)
         self.workdir = check_workdir(config.get("workdir", "/tmp/work"),
                                      "SandboxTextEnv: env_config['workdir']")
@@ -145,11 +146,10 @@ class SandboxTextEnv(BaseTextEnv):
         returned as it is, with ``{"sandbox_id"}``."""
         if self.sandbox is not None or self.done:
             raise SandmanError("SandboxTextEnv.init() called twice: an env is one episode")
-        self.sandbox = sandman.acquire(self.sandbox_spec, pool=self.pool,
-                                       timeout=self.acquire_timeout_s, auto_resume=True)
+        self.sandbox = self.leases.acquire(self.sandbox_spec, self.acquire_timeout_s)
         try:
             self._prepare()
-            sandbox_id = self.sandbox.sandbox_id()
+            sandbox_id = self.sandbox.sandbox
             step_done(self.sandbox)  # the model writes the first action now
         except BaseException as exc:
             self._release_after(exc)
@@ -254,7 +254,7 @@ class SandboxTextEnv(BaseTextEnv):
     def _release(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
-            sandman.release(sandbox)
+            self.leases.release(sandbox)
 
     def _release_after(self, exc: BaseException) -> None:
         """The episode failed with ``exc``: give the sandbox back, keeping ``exc`` the

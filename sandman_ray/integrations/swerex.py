@@ -47,11 +47,9 @@ from sandman_ray.integrations import require_python
 
 require_python("swerex", "SWE-ReX 1.4", (3, 10))
 
-import sandman_ray as sandman  # noqa: E402  (after the check: Ray needs no older Python)
 from sandman_ray.errors import DaemonError  # noqa: E402
 from sandman_ray.integrations.sandboxes import (  # noqa: E402
-    MERGE_STDERR, ensure_ray, sandbox_spec)
-from sandman_ray.spec import check_pool_name  # noqa: E402
+    MERGE_STDERR, Leases, check_pool, sandbox_spec)
 
 try:
     from pydantic import BaseModel, ConfigDict, TypeAdapter, field_validator
@@ -92,14 +90,15 @@ class SandmanDeploymentConfig(BaseModel):
     """The sandbox as a dict of ``SandboxSpec`` fields (image, cpu, memory, env, workdir,
     network ...), instead of ``image``."""
     pool: str = "default"
-    """The sandman pool to lease from (``default`` is created if missing)."""
+    """The sandman pool to lease from (``default`` is created if missing), or a sandman
+    service's URL (``https://HOST:PORT``; its API key in $SANDMAN_API_KEY)."""
     acquire_timeout_s: float = 120.0
     """How long ``start`` waits for a sandbox."""
 
     @field_validator("pool")
     @classmethod
     def _pool_name(cls, value):
-        return check_pool_name(value)
+        return check_pool(value)
 
     @field_validator("acquire_timeout_s")
     @classmethod
@@ -163,10 +162,9 @@ class SandmanDeployment(AbstractDeployment):
             return
         config = self._config
         self._hooks.on_custom_step("Leasing a sandbox from sandman pool %s" % config.pool)
-        ensure_ray()
-        self._sandbox = await sandman.acquire_async(
-            sandbox_spec(config.image, config.spec), pool=config.pool,
-            timeout=config.acquire_timeout_s, auto_resume=True)
+        self._leases = Leases(config.pool)
+        self._sandbox = await self._leases.acquire_async(
+            sandbox_spec(config.image, config.spec), config.acquire_timeout_s)
         self._runtime = SandmanRuntime(self._sandbox, logger=self.logger)
         self.logger.info("leased sandbox %s from pool %s", self._sandbox.sandbox, config.pool)
 
@@ -179,7 +177,7 @@ class SandmanDeployment(AbstractDeployment):
                 await runtime.close()
         finally:
             if sandbox is not None:
-                await sandman.release_async(sandbox)
+                await self._leases.release_async(sandbox)
 
     @property
     def runtime(self) -> "SandmanRuntime":

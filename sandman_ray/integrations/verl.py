@@ -29,7 +29,8 @@ keeps the same constructor and methods, with the schema as a dict and a small st
 for ``ToolResponse`` (the same ``text`` field).
 
 config (all optional):
-    pool: the sandman pool to lease from (``default``).
+    pool: the sandman pool to lease from (``default``): a pool's name, a service's URL
+        (its key in $SANDMAN_API_KEY) or ``sandman_ray.connect(...)``'s pool.
     image: the sandbox image (``host``), or spec: a dict of SandboxSpec fields.
     workdir: where a trajectory's shell starts and files land (``/tmp/work``).
     exec_timeout_s: per command (30). acquire_timeout_s: per sandbox (120).
@@ -45,12 +46,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-import sandman_ray as sandman
 from sandman_ray.errors import SandmanError
 from sandman_ray.integrations.sandboxes import (
-    check_workdir, clip, output_text, prepare_async, sandbox_spec)
+    Leases, check_workdir, clip, output_text, prepare_async, sandbox_spec)
 from sandman_ray.integrations.steps import step_done_async, stepping
-from sandman_ray.spec import check_pool_name
 
 try:  # verl's own base class and types when verl is installed
     from verl.tools.base_tool import BaseTool
@@ -109,7 +108,11 @@ class SandboxTool(BaseTool):
         if unknown:
             raise ValueError("SandboxTool config has unknown keys %s (known: %s)"
                              % (unknown, sorted(known)))
-        self.pool = check_pool_name(config.get("pool", "default"))
+        try:
+            self.leases = Leases(config.get("pool", "default"))
+        except ValueError as exc:
+            raise ValueError("SandboxTool config['pool']: %s" % exc) from None
+        self.pool = self.leases.name
         try:
             self.spec = sandbox_spec(config.get("image"), config.get("spec"))
         except ValueError as exc:
@@ -190,14 +193,13 @@ class SandboxTool(BaseTool):
         return traj
 
     async def _open(self, create_kwargs: Dict[str, Any]):
-        sandbox = await sandman.acquire_async(self.spec, pool=self.pool,
-                                              timeout=self.acquire_timeout_s, auto_resume=True)
+        sandbox = await self.leases.acquire_async(self.spec, self.acquire_timeout_s)
         try:
             await prepare_async(sandbox, self.workdir, create_kwargs.get("files"),
                                 create_kwargs.get("setup"), self.exec_timeout_s)
             await step_done_async(sandbox)  # the model writes the first call now
         except BaseException:
-            await sandman.release_async(sandbox)
+            await self.leases.release_async(sandbox)
             raise
         return sandbox
 
@@ -214,7 +216,7 @@ class SandboxTool(BaseTool):
                     0.0, {"error": "bad parameters"})
         started = time.perf_counter()
         async with stepping(sandbox):
-            result = await sandbox.run.remote(command, timeout=self.exec_timeout_s)
+            result = await sandbox.run_async(command, timeout=self.exec_timeout_s)
         text = clip(output_text(result), self.max_output_chars)
         if result.timed_out:
             text += "\n[timed out after %g s]" % self.exec_timeout_s
@@ -232,8 +234,8 @@ class SandboxTool(BaseTool):
                                "(in the tool config or as an argument)")
         sandbox = await self._sandbox(instance_id, kwargs.get("agent_data"))
         async with stepping(sandbox):
-            result = await sandbox.exec.remote(command, cwd=self.workdir,
-                                               timeout=self.exec_timeout_s)
+            result = await sandbox.exec_async(command, cwd=self.workdir,
+                                              timeout=self.exec_timeout_s)
         return 1.0 if result.ok else 0.0
 
     async def release(self, instance_id: str, **kwargs) -> None:
@@ -313,7 +315,7 @@ class SandboxTool(BaseTool):
                 sandbox = await traj.opening
             except BaseException:
                 return False  # its create failed: nothing was leased
-            await sandman.release_async(sandbox)
+            await self.leases.release_async(sandbox)
             return True
         task = asyncio.get_running_loop().create_task(give_back())
         self._giving_back.add(task)

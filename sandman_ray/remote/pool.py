@@ -59,7 +59,10 @@ class RemoteSandbox:
     def __init__(self, pool: "RemotePool", lease: dict):
         self.pool, self.lease = pool, lease
         self.lease_id, self.sandbox_id = lease["lease_id"], lease["sandbox_id"]
+        self.sandbox = self.sandbox_id  # as a SandboxHandle names it
         self.node_id = lease.get("node_id")
+        self.paused = False
+        self.pause_between_steps = False  # the integrations' turns (steps.py): not here
         self.client = None  # the blocking calls' connection, made at the first
         self.aclient = None  # the asyncio calls' connection, on the loop of the first
         self.aloop = None
@@ -119,15 +122,19 @@ class RemoteSandbox:
         """Freeze every process of the sandbox (no CPU; memory kept) until ``resume``;
         calls meanwhile wait."""
         self.pool._request("POST", self._path("pause"), {"reclaim": reclaim})
+        self.paused = True
 
     async def pause_async(self, reclaim: bool = False) -> None:
         await self.pool._request_async("POST", self._path("pause"), {"reclaim": reclaim})
+        self.paused = True
 
     def resume(self) -> None:
         self.pool._request("POST", self._path("resume"), {})
+        self.paused = False
 
     async def resume_async(self) -> None:
         await self.pool._request_async("POST", self._path("resume"), {})
+        self.paused = False
 
     def _path(self, what: str) -> str:
         return "/v1/leases/%s/%s" % (self.lease_id, what)

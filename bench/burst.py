@@ -66,11 +66,13 @@ UNPOOLED_CLIENT = textwrap.dedent("""
 """) % (STATE, CACHE)
 
 
-def clients_burst(script: str, address: str, target: str, image: str, n: int,
+def clients_burst(script: str, address: str, target, image: str, n: int,
                   clients: int) -> tuple:
     """Start ``clients`` processes, let them go at one wall-clock moment, and return
-    (start, [(usable wall time, sandbox id)])."""
-    procs = [subprocess.Popen([sys.executable, "-c", script, address, target, image,
+    (start, [(usable wall time, sandbox id)]). ``target``: what each is given (a list:
+    one each)."""
+    targets = target if isinstance(target, list) else [target] * clients
+    procs = [subprocess.Popen([sys.executable, "-c", script, address, targets[i], image,
                                str(n // clients + (1 if i < n % clients else 0))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               cwd=str(ROOT)) for i in range(clients)]

@@ -47,6 +47,11 @@ On a local Ray with the LocalProvider, each section in a module of its own
          ``exec true`` (direct and ``.remote()``), pause and resume p50/p99, PSS per
          sandbox running and paused, free memory, the pool's tick, the threads, fds
          and PSS of the pool, agent and handle host (``density``).
+  service  the network service (``sandman serve``) beside the Ray API: data-plane
+         ``exec true`` beside the direct path and ``.remote()``, the server's CPU per
+         1,000 execs, the lease cycle, 1,000 acquires from 10 tenants' client
+         processes beside the same through the Ray API, memory per connected lease,
+         and one tenant's p99 while another floods (``bench/service.py``).
   isolation  what each isolation level costs, one after the other in this run
          (``bench/isolation.py``): create -> first exec (one at a time) and
          ``exec true`` through the daemon client, for the LocalProvider with root inside
@@ -80,6 +85,7 @@ import density  # noqa: E402
 import forks  # noqa: E402
 import isolation  # noqa: E402
 import progress  # noqa: E402
+import service  # noqa: E402
 import stream  # noqa: E402
 from common import ROOT  # noqa: E402  (bench/common.py)
 from noop_section import noop, noop_rows  # noqa: E402  (bench/noop_section.py)
@@ -133,13 +139,15 @@ def table(results: dict, args) -> List[tuple]:
         rows += cost.rows(results["cost"])
     if "density" in results:
         rows += density.rows(results["density"])
+    if "service" in results:
+        rows += service.rows(results["service"])
     return rows
 
 
 # in the order they run; stream last: its 100 MB chunks stay in the host's heap (which
 # density measures)
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "density",
-            "stream")
+            "service", "stream")
 
 
 def isolation_section(args) -> dict:
@@ -172,6 +180,12 @@ def main(argv=None) -> int:
                         help="isolation: creates one at a time per level")
     parser.add_argument("--density-ns", default="100,250,500,1000",
                         help="density: the numbers of leased sandboxes, in turn")
+    parser.add_argument("--results", default=str(RESULTS),
+                        help="where the JSON report goes (default %(default)s)")
+    parser.add_argument("--service-n", type=int, default=1000,
+                        help="service: acquires in the burst from 10 tenants")
+    parser.add_argument("--service-rounds", type=int, default=1,
+                        help="service: rounds of the service and Ray API bursts, in turn")
     parser.add_argument("--isolation-against", default=None, metavar="REF",
                         help="isolation: measure commit REF's levels too, in turns "
                              "(bench/isolation.py)")
@@ -194,6 +208,7 @@ def main(argv=None) -> int:
             "cost": lambda: cost.cost(image),
             "isolation": lambda: isolation_section(args),
             "density": lambda: density.density(density.parse_ns(args.density_ns)),
+            "service": lambda: service.service(args.service_n, args.service_rounds),
             "stream": lambda: stream.stream(image)}
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:
@@ -210,8 +225,9 @@ def main(argv=None) -> int:
     print("%-6s %-62s %-18s %s" % ("", "measure", "result", ""))
     for section, name, value, note in table(results, args):
         print("%-6s %-62s %-18s %s" % (section, name, value, note))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    out = Path(args.results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
     return 0
 

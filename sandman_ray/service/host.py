@@ -17,6 +17,7 @@ daemons' sockets are (gateways on other nodes are to come).
 import asyncio
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from typing import Dict, Optional, Tuple
@@ -55,7 +56,7 @@ class ServiceHost(_HandleHost):
                     data_port: int, tls: Optional[Tuple[str, str]] = None,
                     slow_after: int = SLOW_AFTER) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
-        control plane's and the data plane's URLs. ``slow_after``: failed keys from one
+        control plane's and the data plane's URLs, and the serving process's pid. ``slow_after``: failed keys from one
         address a minute before each more one is slowed (0: never)."""
         self.slow_after = slow_after
         import ssl
@@ -88,7 +89,7 @@ class ServiceHost(_HandleHost):
                      "data_url": "%s://%s:%d" % (scheme, host,
                                                  self.data.sockets[0].getsockname()[1])}
         await self._adopt()
-        return self.urls
+        return dict(self.urls, pid=os.getpid())  # the process that serves
 
     async def _adopt(self) -> None:
         """The leases the pool says this service holds (a service that stopped without

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -122,3 +123,43 @@ def test_each_tenant_is_shown_in_the_pools_status(service):
                 if line.startswith("svc:")}
         assert rows == {"svc:alice": "2", "svc:bob": "1"}, shown
     wait_until(lambda: pool_leases(service) == 0, timeout=10, what="the leases to end")
+
+
+def test_a_restarted_pool_keeps_the_service_s_leases_alive_and_served(service):
+    """The PoolActor killed (Ray restarts it) under two leases of alice's: both are
+    recovered as the service's, still served over the data plane, kept alive by the
+    client past their keepalive, and released as usual; one that the client stops
+    keeping is still reclaimed after its keepalive."""
+    import ray
+    import sandman_ray as sandman
+    alice = connect(service["url"], service["alice"], keepalive_s=5)
+    held = [alice.acquire("builtin:debian") for _ in range(2)]
+    for sb in held:
+        sb.write_file("/tmp/mark", sb.lease_id)
+    actor = sandman.get_pool(service["pool"])
+    before = ray.get(actor.status.remote())["pid"]
+    ray.kill(actor, no_restart=False)
+
+    def back():
+        try:
+            status = ray.get(actor.status.remote(), timeout=5)
+        except (ray.exceptions.RayError, sandman.SandmanError):
+            return False
+        return status["pid"] != before and status["states"].get("leased", 0) == 2
+    wait_until(back, timeout=60, what="the pool back, with both leases")
+    for sb in held:
+        assert sb.read_file("/tmp/mark") == sb.lease_id.encode()
+    wait_until(lambda: pool_leases(service) == 2, timeout=1, what="both leases")
+    # past their keepalive: the client's thread keeps them, also in the new pool
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        assert sorted(lease["lease_id"] for lease in alice.leases()) == \
+            sorted(sb.lease_id for sb in held)
+        time.sleep(1)
+    kept, dropped = held
+    with alice.lock:  # this client stops keeping one of them
+        alice.held.discard(dropped.lease_id)
+    wait_until(lambda: [lease["lease_id"] for lease in alice.leases()] == [kept.lease_id],
+               timeout=5 + 0.2 + 10, what="the lease no one keeps to be reclaimed")
+    kept.release()
+    wait_until(lambda: pool_leases(service) == 0, timeout=10, what="the lease to end")

@@ -72,7 +72,7 @@ class ServiceHost(_HandleHost):
         self.keys = KeyStore(keys_path)
         self.secret = secrets.token_bytes(32)  # request ids -> lease ids, per incarnation
         self.served: Dict[str, Tuple[str, object]] = {}  # lease id -> (tenant, Lease)
-        self.held: Dict[str, int] = {}  # tenant -> leases served
+        self.per_tenant: Dict[str, int] = {}  # tenant -> leases served (not _HandleHost.held)
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
@@ -108,13 +108,13 @@ class ServiceHost(_HandleHost):
         for lease_id in ids:
             await self.release(lease_id, self.pool)
         self.served.clear()
-        self.held.clear()
+        self.per_tenant.clear()
         self.keys.close()
         return len(ids)
 
     def _serve(self, tenant: str, lease_id: str, lease) -> None:
         if lease_id not in self.served:
-            self.held[tenant] = self.held.get(tenant, 0) + 1
+            self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
         self.served[lease_id] = (tenant, lease)
 
     # ---- what the relay asks
@@ -135,7 +135,7 @@ class ServiceHost(_HandleHost):
                       keepalive_s: float, request_id: Optional[str]) -> dict:
         self._allowed(tenant, spec)
         limits = self.keys.tenant(tenant) or {}
-        held = self.held.get(tenant, 0)
+        held = self.per_tenant.get(tenant, 0)
         most = limits.get("max_sandboxes")
         if most is not None and held + self.waiting.get(tenant, 0) >= most:
             raise Refusal(429, "TenantLimit", "tenant %s holds or waits for %d sandboxes, its "
@@ -288,7 +288,7 @@ class ServiceHost(_HandleHost):
     def _take(self, lease_id: str, reason: str = "released by its holder"):
         served = self.served.pop(lease_id, None)
         if served is not None:
-            self.held[served[0]] -= 1
+            self.per_tenant[served[0]] -= 1
             if len(self.ended_for) > 4096:
                 self.ended_for.clear()
             self.ended_for[lease_id] = served[0]

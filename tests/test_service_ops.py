@@ -163,3 +163,37 @@ def test_a_restarted_pool_keeps_the_service_s_leases_alive_and_served(service):
                timeout=5 + 0.2 + 10, what="the lease no one keeps to be reclaimed")
     kept.release()
     wait_until(lambda: pool_leases(service) == 0, timeout=10, what="the lease to end")
+
+
+def test_tenants_share_a_contended_cpu_by_their_weights_not_their_sandboxes(service):
+    """alice runs a busy command in each of four sandboxes, bob in one, all on one
+    CPU: each tenant's sandboxes together weigh its weight (pool/shares.py), so bob's
+    one gets about as much CPU as alice's four together, not a fifth of it."""
+    alice, bob = connect(service["url"], service["alice"]), connect(service["url"], service["bob"])
+    busy = "taskset -c 0 sh -c 'while :; do :; done'"
+    ticks = "awk '{s += $14 + $15} END {print s}' /proc/[0-9]*/stat"
+    hers = [alice.acquire("builtin:debian") for _ in range(4)]
+    his = bob.acquire("builtin:debian")
+    try:
+        for sb in hers + [his]:
+            sb.spawn(["sh", "-c", busy])
+        wait_until(lambda: [cpu_weight(sb.sandbox_id) for sb in hers + [his]] ==
+                   [0.25] * 4 + [1.0], timeout=10, what="the pool to weigh the leases")
+        before = [int(sb.exec(["sh", "-c", ticks]).stdout) for sb in hers + [his]]
+        time.sleep(3)  # the window the CPU is measured over
+        after = [int(sb.exec(["sh", "-c", ticks]).stdout) for sb in hers + [his]]
+    finally:
+        for sb in hers + [his]:
+            sb.release()
+    used = [a - b for a, b in zip(after, before)]
+    assert used[4] >= 0.6 * sum(used[:4]), used
+
+
+def cpu_weight(sandbox_id: str) -> float:
+    """The weight the sandbox's cpu group has on this node (1.0: a group's default)."""
+    import glob
+    for path in glob.glob("/sys/fs/cgroup/cpu/sandman/*/%s/cpu.shares" % sandbox_id):
+        return int(open(path).read()) / 1024
+    for path in glob.glob("/sys/fs/cgroup/sandman/*/%s/cpu.weight" % sandbox_id):
+        return int(open(path).read()) / 100
+    return float("nan")

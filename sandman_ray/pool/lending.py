@@ -239,7 +239,7 @@ class Lending:
         lease = Lease(waiter.lease_id, rec.sandbox_id, info.address, info.token,
                       info.node_id, self.name, waiter.client, self.clock.time(),
                       keepalive_s=waiter.keepalive_s)
-        self.records.lend(rec, lease, waiter.client, None)
+        self.records.lend(rec, lease, waiter.client, None, waiter.weight)
         rec.holder_seen, rec.registered_at = False, 0.0
         rec.leased_at = rec.last_used = rec.kept_at = now
         rec.keepalive_s = waiter.keepalive_s

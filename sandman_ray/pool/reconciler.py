@@ -24,6 +24,7 @@ import os
 from typing import Deque, Dict, List, Optional
 
 from sandman_ray.errors import AcquireTimeout
+from sandman_ray.pool import shares
 from sandman_ray.pool.lending import Lending
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.records import Records
@@ -122,6 +123,31 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
         self.release_ended(wanted)
         self.create_missing(wanted)
         self.delete_surplus(wanted)
+        self.weigh()
+
+    def weigh(self) -> None:
+        """Send the provider the CPU weights that changed (pool/shares.py), without
+        waiting for it."""
+        if not self.records.reweigh:
+            return
+        clients, self.records.reweigh = self.records.reweigh, set()
+        if not self.provider.weighs:
+            return
+        changed = {}
+        for sandbox_id, weight in shares.weights(clients, self.records.by_client,
+                                                 self.records.client_weight).items():
+            rec = self.records.by_id[sandbox_id]
+            if rec.cpu_weight != weight:
+                rec.cpu_weight = changed[sandbox_id] = weight
+        if changed:
+            asyncio.get_running_loop().create_task(self._weighed(changed))
+
+    async def _weighed(self, changed: Dict[str, float]) -> None:
+        try:
+            await self.provider.weigh(changed)
+        except Exception as exc:  # noqa: BLE001 - a share of CPU is not worth a lease
+            logger.warning("pool %s: CPU weights of %d sandboxes not set: %s", self.name,
+                           len(changed), exc)
 
     def _to(self, rec: Sandbox, state: State, reason: str = "") -> None:
         self.records.move(rec, state, self.clock.monotonic())
@@ -153,6 +179,7 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
         return [{"sandbox_id": r.sandbox_id, "state": r.state.value, "image": r.spec.image,
                  "spec": r.spec.to_dict(), "node_id": getattr(r.info, "node_id", None),
                  "client": r.client, "holder": r.holder, "age_s": now - r.since,
+                 "cpu_weight": r.cpu_weight,
                  "leased": r.lease is not None}
                 for r in self.records.values()]
 

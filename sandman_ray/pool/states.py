@@ -145,6 +145,7 @@ class Sandbox:
     paused: bool = False           # its holder paused it (pool/snapshots.py)
     keepalive_s: float = 0.0       # a lease that lasts while kept alive (0: while held)
     kept_at: float = 0.0           # its last call or keepalive (the pool's clock)
+    cpu_weight: Optional[float] = None  # its share of its node's CPU, as last set
 
     @property
     def node(self) -> Optional[str]:

@@ -128,6 +128,8 @@ class Provider(abc.ABC):
 
     #: True when ``reset`` returns a sandbox to its initial state faster than a new one.
     supports_reset: bool = False
+    #: True when ``weigh`` sets sandboxes' shares of their node's CPU.
+    weighs: bool = False
     #: the pool's pacing of creates when its PoolConfig leaves it to the provider: what
     #: the provider's control plane takes (an API server, a container engine)
     pacing = DEFAULT_PACING
@@ -183,6 +185,12 @@ class Provider(abc.ABC):
         """Create ``sandbox_id`` on Ray node ``node_id`` (one of ``nodes()``) when it is
         created next: what an acquire on that node, or asking for it, wants. A provider
         that does not place sandboxes ignores it."""
+
+    async def weigh(self, weights: Dict[str, float]) -> None:
+        """Each sandbox's share of its node's CPU when the CPU is contended, as a
+        weight (1.0: a sandbox's default share; 0.5: half of it). A reset sandbox is
+        back at 1.0. Where ``weighs`` is False: nothing."""
+        return None
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes, a new token),

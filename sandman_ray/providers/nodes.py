@@ -278,6 +278,17 @@ class NodeAgentProvider(Provider):
         node = self._where.get(sandbox_id)
         return node if node is not None else (await self.endpoint(sandbox_id)).node_id
 
+    async def weigh(self, weights: Dict[str, float]) -> None:
+        """Each node's share of ``weights`` to its agent (a sandbox whose node is not
+        known here any more is gone, or soon)."""
+        per_node: Dict[str, Dict[str, float]] = {}
+        for sandbox_id, weight in weights.items():
+            node = self._where.get(sandbox_id)
+            if node is not None:
+                per_node.setdefault(node, {})[sandbox_id] = weight
+        await asyncio.gather(*(self._on_agent(node, "weigh", part)
+                               for node, part in per_node.items()))
+
     async def _on_agent(self, node: str, method: str, *args, task: Optional[str] = None):
         """``method`` of the agent on ``node`` (started if needed; ``task``: the call's
         name on the Ray dashboard), its errors said as the provider's."""

@@ -243,6 +243,19 @@ class NodeAgent:
                          os.geteuid() if self.unprivileged else None),
                      "isolation": self.isolation})
 
+    def weigh(self, weights: Dict[str, float]) -> None:
+        """Each sandbox's share of this node's CPU (``Provider.weigh``); one this agent
+        does not hold, or without a cpu group, is passed over."""
+        for sandbox_id, weight in weights.items():
+            sandbox = self.sandboxes.get(sandbox_id)
+            if sandbox is not None and sandbox.cgroups is not None \
+                    and sandbox_id not in self.resetting:
+                try:
+                    sandbox.cgroups.weigh(weight)
+                except OSError as exc:  # removed meanwhile: nothing to weigh
+                    logger.debug("pool %s: sandbox %s not weighed: %s", self.pool,
+                                 sandbox_id, exc)
+
     async def delete(self, sandbox_id: str) -> None:
         """Remove the sandbox and what it left, once its create or reset in flight (if
         any) has ended: removed under a reset, it would be started again on a range
@@ -303,7 +316,10 @@ class NodeAgent:
         task = asyncio.ensure_future(self._reset(sandbox))
         self.resets[sandbox_id] = task
         try:
-            return await asyncio.shield(task)
+            info = await asyncio.shield(task)
+            if sandbox.cgroups is not None:
+                sandbox.cgroups.weigh(1.0)  # the next holder's client weighs it anew
+            return info
         finally:
             if self.resets.get(sandbox_id) is task:
                 del self.resets[sandbox_id]

@@ -113,6 +113,16 @@ class Cgroups:
                 _write(path / "cpu.max", "%d 100000" % int(value * 100000))
             self.applied[controller] = "cgroup-v2"
 
+    def weigh(self, weight: float) -> None:
+        """The sandbox's share of the node's CPU when it is contended: ``weight`` times
+        a group's default (v1 cpu.shares 1024, v2 cpu.weight 100), within what the
+        kernel takes. Nothing where the sandbox has no cpu group."""
+        for path in self.dirs:
+            if (path / "cpu.shares").exists():
+                _write_existing(path / "cpu.shares", max(2, min(262144, round(1024 * weight))))
+            elif (path / "cpu.weight").exists():
+                _write_existing(path / "cpu.weight", max(1, min(10000, round(100 * weight))))
+
     def _track(self, path: Path) -> None:
         try:
             path.mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,7 @@ class LocalProvider(NodeAgentProvider):
     """
 
     supports_reset = True
+    weighs = True  # each sandbox a cpu group of its own (cgroups.py)
     supports_snapshots = True
     carries_snapshots = True
     agent_kind = "agent"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Sandbox
+from conftest import Sandbox, wait_until
 from sandman_ray.errors import AuthError, ConnectionLost, LeaseNotHeld, SandboxLost
 from sandman_ray.remote.channel import connect_lease
 from sandman_ray.results import ExecResult
@@ -157,3 +157,41 @@ def test_the_remote_client_imports_no_ray():
          "print(' '.join(m for m in sys.modules if m.split('.')[0] == 'ray'))"],
         capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []
+
+
+def test_one_address_holds_at_most_its_pending_connections_and_a_lease_its_relays(world):
+    """Past PENDING_PER_ADDRESS connections of one address that have not upgraded, the
+    next is answered 429 at once; another address is served; a closed one frees its
+    room. Past RELAYS_PER_LEASE relays of one lease, the next upgrade is 429."""
+    from sandman_ray.errors import ServiceLimit
+    from sandman_ray.service.relay import PENDING_PER_ADDRESS, RELAYS_PER_LEASE
+    idle = [socket.create_connection(("127.0.0.1", world["port"]), source_address=("127.0.0.5", 0))
+            for _ in range(PENDING_PER_ADDRESS)]
+    try:
+        def one_more() -> bytes:
+            with socket.create_connection(("127.0.0.1", world["port"]), timeout=5,
+                                          source_address=("127.0.0.5", 0)) as sock:
+                sock.sendall(upgrade("L-alice", world["alice"]))
+                return sock.recv(65536)
+        wait_until(lambda: one_more().startswith(b"HTTP/1.1 429 "), timeout=10,
+                   what="the gateway to have seen every idle connection")
+        assert b"TooManyConnections" in one_more()
+        client = connect_lease(world["url"], world["alice"], "L-alice")  # from 127.0.0.1
+        assert client.exec("true").exit_code == 0
+        client.close()
+        idle.pop().close()
+        wait_until(lambda: one_more().startswith(b"HTTP/1.1 101 "), timeout=10,
+                   what="a closed connection's room to be free")
+    finally:
+        for sock in idle:
+            sock.close()
+    relays = []
+    try:
+        for _ in range(RELAYS_PER_LEASE):
+            relays.append(connect_lease(world["url"], world["alice"], "L-alice"))
+        with pytest.raises(ServiceLimit, match="TooManyConnections"):
+            connect_lease(world["url"], world["alice"], "L-alice")
+        assert relays[0].exec("true").exit_code == 0
+    finally:
+        for client in relays:
+            client.close()

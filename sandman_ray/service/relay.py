@@ -17,8 +17,10 @@ the client drives with the same code as a direct one (``DaemonClient(sock=...)``
 So an op costs what it costs directly, plus two copies in the gateway and the TCP hop.
 
 Everything before the 101 is bounded: a request head of at most HEAD_MAX bytes, read
-within HEAD_TIMEOUT_S; every refusal is an HTTP status with a JSON body naming the
-error, and the connection is closed.
+within HEAD_TIMEOUT_S, at most PENDING_PER_ADDRESS such connections from one address at
+a time (past them a connection is answered 429 at once, without reading it), and at
+most RELAYS_PER_LEASE relays of one lease; every refusal is an HTTP status with a JSON
+body naming the error, and the connection is closed.
 """
 
 import asyncio
@@ -36,6 +38,8 @@ HEAD_MAX = 8192
 HEAD_TIMEOUT_S = 10.0
 DAEMON_TIMEOUT_S = 10.0
 CHUNK = 1 << 16
+PENDING_PER_ADDRESS = 64  # connections of one address not yet admitted
+RELAYS_PER_LEASE = 64  # a client needs one per thread or event loop it calls from
 _CONNECT = re.compile(r"^/v1/leases/([A-Za-z0-9_-]{1,128})/connect$")
 
 
@@ -49,7 +53,8 @@ class Refused(Exception):
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
             405: "Method Not Allowed", 408: "Request Timeout", 410: "Gone",
-            426: "Upgrade Required", 431: "Request Header Fields Too Large",
+            426: "Upgrade Required", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large",
             502: "Bad Gateway"}
 
 
@@ -76,6 +81,7 @@ class Gateway:
         self.find = find
         self.used = used
         self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
+        self.pending: Dict[str, int] = {}  # address -> its connections not yet admitted
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0,
                     ssl=None) -> asyncio.AbstractServer:
@@ -84,8 +90,22 @@ class Gateway:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection: its upgrade, then its relay until either side ends."""
         daemon = None
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) else ""
         try:
-            lease_id, held = await self._admit(reader)
+            if self.pending.get(address, 0) >= PENDING_PER_ADDRESS:
+                raise Refused(429, "TooManyConnections", "%d connections of this address are "
+                              "not through their upgrade yet" % PENDING_PER_ADDRESS)
+            self.pending[address] = self.pending.get(address, 0) + 1
+            try:
+                lease_id, held = await self._admit(reader)
+            finally:
+                self.pending[address] -= 1
+                if not self.pending[address]:
+                    del self.pending[address]
+            if len(self.relays.get(lease_id, ())) >= RELAYS_PER_LEASE:
+                raise Refused(429, "TooManyConnections", "lease %s has %d connections, its "
+                              "most" % (lease_id, RELAYS_PER_LEASE))
             daemon = await open_daemon(held.address, held.token)
             writer.write(("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                           "Upgrade: %s\r\n\r\n" % UPGRADE).encode())

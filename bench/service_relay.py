@@ -34,7 +34,8 @@ from sandman_ray.service.relay import Gateway, Held
 from sandman_ray.service.tenants import KeyStore
 config = json.loads(sys.argv[1])
 keys = KeyStore(config["keys"])
-gateway = Gateway(keys.verify, {k: Held(*v) for k, v in config["leases"].items()}.get)
+gateway = Gateway(keys.verify, {k: Held(*v) for k, v in config["leases"].items()}.get,
+                  pending_per_address=config.get("pending_per_address", 1024))
 
 async def main():
     server = await gateway.serve("127.0.0.1", 0)

@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from service_relay import GATEWAY  # noqa: E402  (bench/service_relay.py: a gateway process)
 
 
+PENDING = 60  # the test gateway's cap of one address's connections before their upgrade
+
+
 @pytest.fixture(scope="module")
 def world(local_provider, tmp_path_factory):
     """Two tenants with a key each, a sandbox leased to alice, and a gateway process."""
@@ -34,7 +37,8 @@ def world(local_provider, tmp_path_factory):
         leases = {"L-alice": ["alice", sb.info.address, sb.info.token],
                   "L-dead": ["alice", sb.info.address + "-gone", "t"]}
         proc = subprocess.Popen([sys.executable, "-c", GATEWAY, json.dumps(
-            {"keys": str(store_path), "leases": leases})], stdin=subprocess.PIPE,
+            {"keys": str(store_path), "leases": leases,
+             "pending_per_address": PENDING})], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         try:
             port = int(proc.stdout.readline())
@@ -160,13 +164,13 @@ def test_the_remote_client_imports_no_ray():
 
 
 def test_one_address_holds_at_most_its_pending_connections_and_a_lease_its_relays(world):
-    """Past PENDING_PER_ADDRESS connections of one address that have not upgraded, the
-    next is answered 429 at once; another address is served; a closed one frees its
+    """Past its cap of connections of one address that have not upgraded (PENDING for
+    this test's gateway), the next is answered 429 at once; another address is served; a closed one frees its
     room. Past RELAYS_PER_LEASE relays of one lease, the next upgrade is 429."""
     from sandman_ray.errors import ServiceLimit
-    from sandman_ray.service.relay import PENDING_PER_ADDRESS, RELAYS_PER_LEASE
+    from sandman_ray.service.relay import RELAYS_PER_LEASE
     idle = [socket.create_connection(("127.0.0.1", world["port"]), source_address=("127.0.0.5", 0))
-            for _ in range(PENDING_PER_ADDRESS)]
+            for _ in range(PENDING)]
     try:
         def one_more() -> bytes:
             with socket.create_connection(("127.0.0.1", world["port"]), timeout=5,

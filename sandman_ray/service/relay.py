@@ -17,8 +17,8 @@ the client drives with the same code as a direct one (``DaemonClient(sock=...)``
 So an op costs what it costs directly, plus two copies in the gateway and the TCP hop.
 
 Everything before the 101 is bounded: a request head of at most HEAD_MAX bytes, read
-within HEAD_TIMEOUT_S, at most PENDING_PER_ADDRESS such connections from one address at
-a time (past them a connection is answered 429 at once, without reading it), and at
+within HEAD_TIMEOUT_S, at most ``pending_per_address`` (PENDING_PER_ADDRESS) such
+connections from one address at a time (past them a connection is answered 429 at once, without reading it), and at
 most RELAYS_PER_LEASE relays of one lease; every refusal is an HTTP status with a JSON
 body naming the error, and the connection is closed.
 """
@@ -38,7 +38,8 @@ HEAD_MAX = 8192
 HEAD_TIMEOUT_S = 10.0
 DAEMON_TIMEOUT_S = 10.0
 CHUNK = 1 << 16
-PENDING_PER_ADDRESS = 64  # connections of one address not yet admitted
+PENDING_PER_ADDRESS = 1024  # connections of one address not yet admitted (a client's
+# burst of upgrades, one per lease, may come from one address: a NAT's, a trainer's)
 RELAYS_PER_LEASE = 64  # a client needs one per thread or event loop it calls from
 _CONNECT = re.compile(r"^/v1/leases/([A-Za-z0-9_-]{1,128})/connect$")
 
@@ -76,10 +77,12 @@ class Gateway:
 
     def __init__(self, verify: Callable[[str], Optional[str]],
                  find: Callable[[str], Optional[Held]],
-                 used: Optional[Callable[[str], None]] = None):
+                 used: Optional[Callable[[str], None]] = None,
+                 pending_per_address: int = PENDING_PER_ADDRESS):
         self.verify = verify
         self.find = find
         self.used = used
+        self.pending_per_address = pending_per_address
         self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
         self.pending: Dict[str, int] = {}  # address -> its connections not yet admitted
 
@@ -93,9 +96,9 @@ class Gateway:
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) else ""
         try:
-            if self.pending.get(address, 0) >= PENDING_PER_ADDRESS:
+            if self.pending.get(address, 0) >= self.pending_per_address:
                 raise Refused(429, "TooManyConnections", "%d connections of this address are "
-                              "not through their upgrade yet" % PENDING_PER_ADDRESS)
+                              "not through their upgrade yet" % self.pending_per_address)
             self.pending[address] = self.pending.get(address, 0) + 1
             try:
                 lease_id, held = await self._admit(reader)

@@ -138,11 +138,12 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
                                                  self.records.client_weight).items():
             rec = self.records.by_id[sandbox_id]
             if rec.cpu_weight != weight:
-                rec.cpu_weight = changed[sandbox_id] = weight
+                rec.cpu_weight = weight
+                changed[sandbox_id] = (rec.client, weight)
         if changed:
             asyncio.get_running_loop().create_task(self._weighed(changed))
 
-    async def _weighed(self, changed: Dict[str, float]) -> None:
+    async def _weighed(self, changed: Dict[str, tuple]) -> None:
         try:
             await self.provider.weigh(changed)
         except Exception as exc:  # noqa: BLE001 - a share of CPU is not worth a lease

@@ -186,10 +186,11 @@ class Provider(abc.ABC):
         created next: what an acquire on that node, or asking for it, wants. A provider
         that does not place sandboxes ignores it."""
 
-    async def weigh(self, weights: Dict[str, float]) -> None:
-        """Each sandbox's share of its node's CPU when the CPU is contended, as a
-        weight (1.0: a sandbox's default share; 0.5: half of it). A reset sandbox is
-        back at 1.0. Where ``weighs`` is False: nothing."""
+    async def weigh(self, weights: Dict[str, tuple]) -> None:
+        """sandbox id -> (its client, its share of its node's CPU when the CPU is
+        contended, as a weight: 1.0 a sandbox's default share, 0.5 half of it), for
+        leased sandboxes. A reset sandbox is back at 1.0. Where ``weighs`` is False:
+        nothing."""
         return None
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:

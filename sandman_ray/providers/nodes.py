@@ -278,10 +278,10 @@ class NodeAgentProvider(Provider):
         node = self._where.get(sandbox_id)
         return node if node is not None else (await self.endpoint(sandbox_id)).node_id
 
-    async def weigh(self, weights: Dict[str, float]) -> None:
+    async def weigh(self, weights: Dict[str, tuple]) -> None:
         """Each node's share of ``weights`` to its agent (a sandbox whose node is not
         known here any more is gone, or soon)."""
-        per_node: Dict[str, Dict[str, float]] = {}
+        per_node: Dict[str, Dict[str, tuple]] = {}
         for sandbox_id, weight in weights.items():
             node = self._where.get(sandbox_id)
             if node is not None:

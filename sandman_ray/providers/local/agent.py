@@ -20,6 +20,7 @@ from sandman_ray.providers.base import (
     SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
 from sandman_ray.providers.mounts import ensure_nosuid_nodev
 from sandman_ray.providers.network import node_routes, ray_node_addresses
+from sandman_ray.providers.local.cpu_shares import CpuShares
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
 
@@ -110,6 +111,7 @@ class NodeAgent:
         self.resetting = set()  # sandboxes being reset: no holder's token is taken
         # sandbox id -> its reset in flight (a shutdown, and its delete, wait for it)
         self.resets: Dict[str, asyncio.Future] = {}
+        self.cpu = CpuShares(self._cpu_weight, self._cpu_procs)  # leased sandboxes' weights
         # copies run on threads of their own: a slow one never holds up creates
         self.capturing = ThreadPoolExecutor(2, thread_name_prefix="sandman-snapshot")
         self.captures = set()  # copies in flight (a shutdown waits for them)
@@ -243,18 +245,21 @@ class NodeAgent:
                          os.geteuid() if self.unprivileged else None),
                      "isolation": self.isolation})
 
-    def weigh(self, weights: Dict[str, float]) -> None:
-        """Each sandbox's share of this node's CPU (``Provider.weigh``); one this agent
-        does not hold, or without a cpu group, is passed over."""
-        for sandbox_id, weight in weights.items():
-            sandbox = self.sandboxes.get(sandbox_id)
-            if sandbox is not None and sandbox.cgroups is not None \
-                    and sandbox_id not in self.resetting:
-                try:
-                    sandbox.cgroups.weigh(weight)
-                except OSError as exc:  # removed meanwhile: nothing to weigh
-                    logger.debug("pool %s: sandbox %s not weighed: %s", self.pool,
-                                 sandbox_id, exc)
+    async def weigh(self, weights: Dict[str, tuple]) -> None:
+        """Each leased sandbox's client and share of this node's CPU
+        (``Provider.weigh``; providers/local/cpu_shares.py)."""
+        for sandbox_id, (client, weight) in weights.items():
+            if sandbox_id in self.sandboxes and sandbox_id not in self.resetting:
+                self.cpu.set(sandbox_id, client, weight)
+
+    def _cpu_weight(self, sandbox_id: str, weight: float) -> None:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is not None and sandbox.cgroups is not None:
+            sandbox.cgroups.weigh(weight)
+
+    def _cpu_procs(self, sandbox_id: str) -> Optional[str]:
+        sandbox = self.sandboxes.get(sandbox_id)
+        return sandbox.cgroups.cpu_procs() if sandbox and sandbox.cgroups else None
 
     async def delete(self, sandbox_id: str) -> None:
         """Remove the sandbox and what it left, once its create or reset in flight (if
@@ -267,6 +272,7 @@ class NodeAgent:
         await self._delete(sandbox_id)
 
     async def _delete(self, sandbox_id: str) -> None:
+        self.cpu.forget(sandbox_id)
         sandbox = self.sandboxes.pop(sandbox_id, None)
         self.labels.pop(sandbox_id, None)
         self.locks.pop(sandbox_id, None)
@@ -317,8 +323,7 @@ class NodeAgent:
         self.resets[sandbox_id] = task
         try:
             info = await asyncio.shield(task)
-            if sandbox.cgroups is not None:
-                sandbox.cgroups.weigh(1.0)  # the next holder's client weighs it anew
+            self.cpu.set(sandbox_id, None, 1.0)  # the next holder's client weighs it anew
             return info
         finally:
             if self.resets.get(sandbox_id) is task:

@@ -123,6 +123,13 @@ class Cgroups:
             elif (path / "cpu.weight").exists():
                 _write_existing(path / "cpu.weight", max(1, min(10000, round(100 * weight))))
 
+    def cpu_procs(self) -> Optional[str]:
+        """The ``cgroup.procs`` of the sandbox's cpu group (None: it has none)."""
+        for path in self.dirs:
+            if (path / "cpu.shares").exists() or (path / "cpu.weight").exists():
+                return str(path / "cgroup.procs")
+        return None
+
     def _track(self, path: Path) -> None:
         try:
             path.mkdir(parents=True, exist_ok=True)

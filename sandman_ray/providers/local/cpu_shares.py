@@ -47,6 +47,25 @@ def cpu_seconds(procs: str) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+class NodeBusy:
+    """How busy the node's CPUs were since the last ask (0 to 1), from /proc/stat."""
+
+    def __init__(self):
+        self.last = self._ticks()
+
+    @staticmethod
+    def _ticks() -> Tuple[int, int]:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # (busy, all)
+
+    def fraction(self) -> float:
+        now = self._ticks()
+        busy, total = now[0] - self.last[0], now[1] - self.last[1]
+        self.last = now
+        return busy / total if total > 0 else 0.0
+
+
 class CpuShares:
     """A node's leased sandboxes' weights (``set``, from the pool) and, while the node
     is contended, the demotion of clients over their share (``step``, once a
@@ -95,10 +114,20 @@ class CpuShares:
             self.applied.pop(sandbox_id, None)
 
     async def _watch(self) -> None:
+        """Once a second while any sandbox is leased; the sandboxes' use is read only
+        while two clients or more hold some and the node is busy (a read per process
+        of each leased sandbox)."""
         loop = asyncio.get_running_loop()
+        busy = NodeBusy()
         while self.weights:
             await asyncio.sleep(PERIOD_S)
             try:
+                clients = {client for client, _ in self.weights.values()}
+                if len(clients) < 2 or busy.fraction() < BUSY:
+                    self.used.clear()  # the next reading starts afresh
+                    self.rates.clear()
+                    self.step({}, PERIOD_S)
+                    continue
                 used = await loop.run_in_executor(None, self._read)
                 self.step(used, PERIOD_S)
             except Exception:  # noqa: BLE001 - weights wait for the next second

@@ -19,13 +19,13 @@ daemon wait until ``resume`` (its daemon is frozen too). Releasing a paused sand
 thaws it before it is reset for the next holder.
 """
 
-import asyncio
 from typing import List, Optional
 
 from sandman_ray.api import SpecLike, acquire_async, get_pool, release_async
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.lookup import call_pool, call_pool_async
-from sandman_ray.forking import SESSION_STATE, replay_error, run_to_end, session_state
+from sandman_ray.forking import (
+    SESSION_STATE, check_count, run_to_end, session_state, start_forks)
 from sandman_ray.spec import SandboxSpec
 
 
@@ -74,11 +74,6 @@ def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
     return call_pool(pool, "set_warm", spec, count)
 
 
-def _check_count(n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
-
-
 def _fork_spec(info: dict) -> SandboxSpec:
     """The forks' spec: the parent's, with the snapshot as its image."""
     return SandboxSpec.from_dict(dict(info["spec"], image=info["image"]))
@@ -98,23 +93,13 @@ def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
 async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
                      keep_snapshot: bool = False) -> List[SandboxHandle]:
     """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
-    _check_count(n)
+    check_count(n)
     _pool_of(handle)
     state = session_state(await handle.run_async(SESSION_STATE))
     spec = _fork_spec(await call_pool_async(handle.pool, "snapshot", handle.lease_id,
                                             handle._host_name, None, not keep_snapshot))
-    got = await asyncio.gather(*(acquire_async(spec, handle.pool, timeout) for _ in range(n)),
-                               return_exceptions=True)
-    forks = [sb for sb in got if isinstance(sb, SandboxHandle)]
-    errors = [exc for exc in got if not isinstance(exc, SandboxHandle)]
-    if not errors and state:
-        done = await asyncio.gather(*(sb.run_async(state) for sb in forks),
-                                    return_exceptions=True)
-        errors = [e for e in (replay_error(sb.sandbox, r) for sb, r in zip(forks, done)) if e]
-    if errors:
-        await asyncio.gather(*(release_async(sb) for sb in forks))
-        raise errors[0]
-    return forks
+    return await start_forks(lambda: acquire_async(spec, handle.pool, timeout), n, state,
+                             release_async)
 
 
 def pause(handle: SandboxHandle, reclaim: bool = False) -> None:

@@ -29,7 +29,8 @@ from sandman_ray.errors import ConnectionLost, LeaseEnded, LeaseNotHeld, Sandman
 from sandman_ray.client.blocking import DaemonClient
 from sandman_ray.remote.channel import (
     connect_lease, connect_lease_async, service_error, service_url)
-from sandman_ray.forking import SESSION_STATE, replay_error, run_to_end, session_state
+from sandman_ray.forking import (
+    SESSION_STATE, check_count, run_to_end, session_state, start_forks)
 from sandman_ray.spec import SandboxSpec
 
 RETRY_SLEEP_S = 0.5  # between the tries of a request whose connection failed
@@ -336,25 +337,13 @@ class RemotePool:
 
     async def fork_async(self, sb: RemoteSandbox, n: int, timeout: float = 60.0,
                          keep_snapshot: bool = False) -> list:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError("fork: n must be an int >= 1, got %r" % (n,))
+        check_count(n)
         state = session_state(await sb.run_async(SESSION_STATE))
         taken = await self._request_async("POST", sb._path("snapshot"),
                                           {"for_fork": not keep_snapshot})
         spec = SandboxSpec.from_dict(dict(taken["spec"], image=taken["image"]))
-        got = await asyncio.gather(*(self.acquire_async(spec, timeout=timeout)
-                                     for _ in range(n)), return_exceptions=True)
-        forks = [f for f in got if isinstance(f, RemoteSandbox)]
-        errors = [e for e in got if not isinstance(e, RemoteSandbox)]
-        if not errors and state:
-            done = await asyncio.gather(*(f.run_async(state) for f in forks),
-                                        return_exceptions=True)
-            errors = [e for e in (replay_error(f.sandbox_id, r) for f, r in zip(forks, done))
-                      if e]
-        if errors:
-            await asyncio.gather(*(f.release_async() for f in forks), return_exceptions=True)
-            raise errors[0]
-        return forks
+        return await start_forks(lambda: self.acquire_async(spec, timeout=timeout), n, state,
+                                 lambda fork: fork.release_async())
 
     def leases(self) -> list:
         return self._request("GET", "/v1/leases")

@@ -262,7 +262,7 @@ class Lending:
 
     def allowed(self, client: str) -> bool:
         quota = self.config.client_quota
-        return quota is None or self.records.per_client.get(client, 0) < quota
+        return quota is None or self.records.leases_of(client) < quota
 
     def end_lease(self, rec: Sandbox, reason: str, reuse: bool = True,
                   tell_host: bool = True) -> None:

@@ -88,7 +88,7 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
                     self.tick()
                 if self.metrics.due():
                     self.metrics.refresh(self.records.counts(), len(self.waiters),
-                                         self.bucket.rate, dict(self.records.per_client))
+                                         self.bucket.rate, self.records.per_client)
                 now = self.clock.monotonic()
                 if now >= next_sweep:
                     next_sweep = now + self.config.sweep_interval_s
@@ -169,7 +169,7 @@ class Reconciler(Lending, Supply, SnapshotOps, Upkeep):
                 "waiters": len(self.waiters),
                 "create_rate_per_s": self.bucket.rate, "stats": dict(self.stats),
                 "oldest_lease_s": max((now - r.leased_at for r in leased), default=0.0),
-                "leases_per_client": dict(self.records.per_client),
+                "leases_per_client": self.records.per_client,
                 "snapshots": len(self.snapshots),
                 "snapshot_bytes": sum(i.size_bytes for i in self.snapshots.values()),
                 "create_starts": list(self.create_starts)[-1000:],

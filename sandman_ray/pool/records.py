@@ -25,7 +25,6 @@ class Records:
         self.ready_at: Dict[tuple, Dict[str, Sandbox]] = {}
         self.supply_at: collections.Counter = collections.Counter()
         self.leases: Dict[str, Sandbox] = {}  # lease id -> the LEASED record
-        self.per_client: collections.Counter = collections.Counter()  # client -> leases
         self.by_client: Dict[str, Dict[str, Sandbox]] = {}  # client -> its leased sandboxes
         self.client_weight: Dict[str, float] = {}  # client -> its weight (pool/shares.py)
         self.reweigh: set = set()  # clients whose sandboxes' CPU weights are due again
@@ -120,13 +119,20 @@ class Records:
         if node is not None and rec.sandbox_id in self.by_id:
             self.per_node.setdefault(node, {})[rec.sandbox_id] = rec
 
+    def leases_of(self, client: str) -> int:
+        return len(self.by_client.get(client, ()))
+
+    @property
+    def per_client(self) -> Dict[str, int]:
+        """client -> how many leases it holds."""
+        return {client: len(recs) for client, recs in self.by_client.items()}
+
     def lend(self, rec: Sandbox, lease: Lease, client: str, holder: Optional[str],
              weight: float = 1.0) -> None:
         """The lease part of READY -> LEASED (the caller moves the state); ``weight``:
         the client's (pool/shares.py)."""
         rec.lease, rec.client, rec.holder = lease, client, holder
         self.leases[lease.lease_id] = rec
-        self.per_client[client] += 1
         self.by_client.setdefault(client, {})[rec.sandbox_id] = rec
         self.client_weight[client] = weight
         self.reweigh.add(client)
@@ -142,14 +148,11 @@ class Records:
     def end_lease(self, rec: Sandbox) -> None:
         if rec.lease is not None:
             self.leases.pop(rec.lease.lease_id, None)
-            self.per_client[rec.client] -= 1
-            if self.per_client[rec.client] <= 0:
-                del self.per_client[rec.client]
-                self.client_weight.pop(rec.client, None)
             mine = self.by_client.get(rec.client, {})
             mine.pop(rec.sandbox_id, None)
             if not mine:
                 self.by_client.pop(rec.client, None)
+                self.client_weight.pop(rec.client, None)
             self.reweigh.add(rec.client)
             rec.cpu_weight = None  # its reset puts it back at 1 (Provider.weigh)
         self._unhold(rec)

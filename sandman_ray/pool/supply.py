@@ -37,8 +37,8 @@ class Supply:
         wanted.update(self.waiters.per_spec)
         quota = self.config.client_quota
         if quota is not None:
-            for client, held in self.records.per_client.items():
-                if held >= quota:
+            for client, recs in self.records.by_client.items():
+                if len(recs) >= quota:
                     for waiter in self.waiters.of(client):
                         wanted[waiter.spec] -= 1
         return wanted

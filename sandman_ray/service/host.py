@@ -56,8 +56,9 @@ class ServiceHost(_HandleHost):
                     data_port: int, tls: Optional[Tuple[str, str]] = None,
                     slow_after: int = SLOW_AFTER) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
-        control plane's and the data plane's URLs, and the serving process's pid. ``slow_after``: failed keys from one
-        address a minute before each more one is slowed (0: never)."""
+        control plane's and the data plane's URLs, and the serving process's pid.
+        ``slow_after``: failed keys from one address a minute before each more one is
+        slowed (0: never)."""
         self.slow_after = slow_after
         import ssl
         from aiohttp import web

@@ -18,9 +18,10 @@ So an op costs what it costs directly, plus two copies in the gateway and the TC
 
 Everything before the 101 is bounded: a request head of at most HEAD_MAX bytes, read
 within HEAD_TIMEOUT_S, at most ``pending_per_address`` (PENDING_PER_ADDRESS) such
-connections from one address at a time (past them a connection is answered 429 at once, without reading it), and at
-most RELAYS_PER_LEASE relays of one lease; every refusal is an HTTP status with a JSON
-body naming the error, and the connection is closed.
+connections from one address at a time (past them a connection is answered 429 at
+once, without reading it), and at most RELAYS_PER_LEASE relays of one lease; every
+refusal is an HTTP status with a JSON body naming the error, and the connection is
+closed.
 """
 
 import asyncio

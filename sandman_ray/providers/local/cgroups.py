@@ -27,8 +27,9 @@ class Cgroups:
     bwrap. Under v1 it gets a cpu group too, with no limit: the scheduler then shares
     the CPU between sandboxes, not between their sessions (outside any cpu group,
     each process a sandbox starts in a session of its own, as every command is, would
-    weigh as much as a whole other sandbox: the kernel's autogroups). Such a group is made and joined where the host allows (``tracking``): a
-    host whose cgroups look writable but refuse it still starts the sandbox."""
+    weigh as much as a whole other sandbox: the kernel's autogroups). Such a group is
+    made and joined where the host allows (``tracking``): a host whose cgroups look
+    writable but refuse it still starts the sandbox."""
 
     ROOT = Path("/sys/fs/cgroup")  # the v1 controllers' parent, or the v2 hierarchy
 
@@ -117,17 +118,23 @@ class Cgroups:
         """The sandbox's share of the node's CPU when it is contended: ``weight`` times
         a group's default (v1 cpu.shares 1024, v2 cpu.weight 100), within what the
         kernel takes. Nothing where the sandbox has no cpu group."""
-        for path in self.dirs:
-            if (path / "cpu.shares").exists():
-                _write_existing(path / "cpu.shares", max(2, min(262144, round(1024 * weight))))
-            elif (path / "cpu.weight").exists():
-                _write_existing(path / "cpu.weight", max(1, min(10000, round(100 * weight))))
+        found = self._cpu_file()
+        if found is not None:
+            _write_existing(found, max(2, min(262144, round(1024 * weight)))
+                            if found.name == "cpu.shares"
+                            else max(1, min(10000, round(100 * weight))))
 
     def cpu_procs(self) -> Optional[str]:
         """The ``cgroup.procs`` of the sandbox's cpu group (None: it has none)."""
+        found = self._cpu_file()
+        return None if found is None else str(found.parent / "cgroup.procs")
+
+    def _cpu_file(self) -> Optional[Path]:
+        """The weight file of the sandbox's cpu group: v1 cpu.shares, v2 cpu.weight."""
         for path in self.dirs:
-            if (path / "cpu.shares").exists() or (path / "cpu.weight").exists():
-                return str(path / "cgroup.procs")
+            for name in ("cpu.shares", "cpu.weight"):
+                if (path / name).exists():
+                    return path / name
         return None
 
     def _track(self, path: Path) -> None:

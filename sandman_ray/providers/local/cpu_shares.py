@@ -89,6 +89,8 @@ class CpuShares:
         if client is None:
             self.weights.pop(sandbox_id, None)
             self.used.pop(sandbox_id, None)
+            if sandbox_id not in self.applied:
+                return  # never weighed: its group is at the default already
         else:
             self.weights[sandbox_id] = (client, weight)
         self._apply(sandbox_id)

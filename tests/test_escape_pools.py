@@ -142,3 +142,31 @@ def test_info_is_answered_when_the_tenant_made_os_release_a_fifo(provider):
         info = sb.client.info()
         assert info["os_release"] == {} and time.monotonic() - started < 2.0
         assert sb.client.exec("echo still").stdout == b"still\n"
+
+
+@pytest.mark.parametrize("level", ["default", "network", "gvisor"])
+def test_a_sandbox_cannot_change_its_own_cpu_weight(provider, level):
+    """A tenant's share of a contended node is the pool's to set (SECURITY.md, "CPU"):
+    from inside, at every LocalProvider level, no cgroup file is there to write (no
+    cgroupfs, none mountable), and the host's weight of the sandbox's cpu group is what
+    it was."""
+    import uuid
+    import sandman_ray as sandman
+    from conftest import LOCAL_CACHE, LOCAL_STATE, run
+    gvisor = None
+    if level == "gvisor":
+        gvisor = sandman.LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE,
+                                       isolation="gvisor").bind("cw-%s" % uuid.uuid4().hex[:6])
+    try:
+        with Sandbox(gvisor or provider, SandboxSpec(network=level == "network")) as sb:
+            [shares] = glob.glob("/sys/fs/cgroup/cpu/sandman/*/%s/cpu.shares" % sb.id)
+            before = open(shares).read()
+            out = sh(sb, "for f in $(find / -name cpu.shares -o -name cpu.weight 2>/dev/null); "
+                         "do echo 262144 > $f && echo wrote $f; done; "
+                         "mkdir -p /tmp/cg && mount -t cgroup -o cpu none /tmp/cg "
+                         "&& echo mounted; echo done")
+            assert "wrote" not in out and "mounted" not in out and "done" in out, out
+            assert open(shares).read() == before
+    finally:
+        if gvisor is not None:
+            run(gvisor.shutdown())

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 # control plane, which acquires the leases it holds, is to come.) tests/ use it too.
 GATEWAY = r"""
 import asyncio, json, sys
-from sandman_ray.service.relay import Gateway, Held
+from sandman_ray.service.relay import Gateway, Held, admitting
 from sandman_ray.service.tenants import KeyStore
 config = json.loads(sys.argv[1])
 keys = KeyStore(config["keys"])
-gateway = Gateway(keys.verify, {k: Held(*v) for k, v in config["leases"].items()}.get,
+gateway = Gateway(admitting(keys.verify, {k: Held(*v) for k, v in config["leases"].items()}.get),
                   pending_per_address=config.get("pending_per_address", 1024))
 
 async def main():

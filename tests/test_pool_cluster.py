@@ -1,7 +1,9 @@
 """Two Ray nodes on this machine (ray.cluster_utils.Cluster): sandboxes spread over
 both nodes' agents, and each handle runs on its sandbox's node, talking to the daemon
-over its unix socket there."""
+over its unix socket there; the service (``sandman serve``) serves the leases of both
+nodes, at its front and at each node's gateway."""
 
+import time
 import uuid
 
 import pytest
@@ -108,3 +110,85 @@ def test_a_snapshot_is_brought_to_the_node_a_sandbox_of_it_is_asked_on(cluster):
     finally:
         sandman.shutdown_pool(pool)
     assert leftovers(pool, state)["directories"] == []
+
+
+def test_the_service_serves_every_node_at_its_front_and_at_each_nodes_gateway(
+        cluster, tmp_path):
+    """``sandman serve`` (TLS, a certificate the test made) on one node of two: a lease
+    placed on the other node names that node's gateway, and its calls are served both
+    there and at the service's own data plane (which relays onward); at the gateway,
+    another tenant's key gets 404, a bad key 401, and a revoked key 401 at once. A
+    released lease's relays are cut there too, and stopping the service stops the
+    gateways."""
+    import json
+    import signal
+    import ssl
+    import subprocess
+    import sys
+    from sandman_ray.errors import AuthError, ConnectionLost, LeaseNotHeld
+    from sandman_ray.remote import connect
+    from sandman_ray.remote.channel import connect_lease
+    from sandman_ray.service.gateways import GATEWAY_PREFIX
+    from sandman_ray.service.tenants import KeyStore
+    node_ip = ray.util.get_node_ip_address()
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1,IP:%s" % node_ip,
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    trust = ssl.create_default_context(cafile=str(cert))
+    pool = "svc-nodes-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=sandman.LocalProvider(
+        state_root="/tmp/sandman-ray-test/cluster-state", cache_root=CACHE))
+    store = KeyStore(tmp_path / "keys.db")
+    alice, bob = store.create_key("alice"), store.create_key("bob")
+    gone = store.create_key("alice")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandman_ray.cli", "--address", cluster.address, "serve",
+         "--pool", pool, "--port", "0", "--data-port", "0", "--keys", str(tmp_path / "keys.db"),
+         "--tls-cert", str(cert), "--tls-key", str(key)], stdout=subprocess.PIPE, text=True)
+    try:
+        urls = json.loads(proc.stdout.readline())
+        front = connect(urls["url"], alice, context=trust)
+        by_node = connect(urls["url"], alice, context=trust, route="node")
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        leases = {node: front.acquire("builtin:debian", timeout=180, node=node)
+                  for node in nodes}
+        (far_node,) = [n for n, sb in leases.items()
+                       if sb.lease["gateway_url"] != urls["data_url"]]
+        far = leases[far_node]
+        assert far.node_id == far_node and far.lease["gateway_url"].startswith("https://")
+        for sb in leases.values():  # the front reaches both nodes
+            assert sb.exec("cat /etc/hostname >/dev/null; echo ok").stdout == b"ok\n"
+        far.write_file("/tmp/f", b"from the front")
+        direct = connect_lease(far.lease["gateway_url"], alice, far.lease_id, context=trust)
+        assert direct.read_file("/tmp/f") == b"from the front"
+        with pytest.raises(LeaseNotHeld):
+            connect_lease(far.lease["gateway_url"], bob, far.lease_id, context=trust)
+        with pytest.raises(AuthError):
+            connect_lease(far.lease["gateway_url"], "sk_sandman_" + "0" * 40, far.lease_id,
+                          context=trust)
+        connect_lease(far.lease["gateway_url"], gone, far.lease_id, context=trust).close()
+        store.revoke(gone)
+        with pytest.raises(AuthError):
+            connect_lease(far.lease["gateway_url"], gone, far.lease_id, context=trust)
+        with by_node.sandbox("builtin:debian", timeout=180, node=far_node) as sb:
+            assert sb.data_url == sb.lease["gateway_url"] != urls["data_url"]
+            assert sb.exec("echo one hop").stdout == b"one hop\n"
+        far.release()
+        deadline = time.monotonic() + 10
+        with pytest.raises(ConnectionLost):  # its relay at the gateway is cut (told after)
+            while time.monotonic() < deadline:
+                direct.exec("true")
+        with pytest.raises(LeaseNotHeld):
+            connect_lease(far.lease["gateway_url"], alice, far.lease_id, context=trust)
+        leases[next(n for n in nodes if n != far_node)].release()
+        assert any(e["name"].startswith(GATEWAY_PREFIX)
+                   for e in ray.util.list_named_actors(all_namespaces=True))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        sandman.shutdown_pool(pool)
+        store.close()
+    assert not [e for e in ray.util.list_named_actors(all_namespaces=True)
+                if e["name"].startswith(GATEWAY_PREFIX) and e["name"].endswith(pool)]

@@ -43,9 +43,12 @@ def _named(name: Optional[str]) -> dict:
 
 
 def connect(url: str, api_key: str, *, keepalive_s: float = 30.0,
-            context: Optional[ssl.SSLContext] = None) -> "RemotePool":
-    """The pool that the service at ``url`` serves, for the tenant of ``api_key``."""
-    return RemotePool(url, api_key, keepalive_s=keepalive_s, context=context)
+            context: Optional[ssl.SSLContext] = None, route: str = "front") -> "RemotePool":
+    """The pool that the service at ``url`` serves, for the tenant of ``api_key``.
+    ``route``: where a sandbox's calls go, "front" (the service's data plane, which
+    reaches every node's sandboxes: one address to reach) or "node" (the gateway of the
+    sandbox's node, one hop less, for clients that reach the cluster's nodes)."""
+    return RemotePool(url, api_key, keepalive_s=keepalive_s, context=context, route=route)
 
 
 class RemoteSandbox:
@@ -68,9 +71,16 @@ class RemoteSandbox:
         self.aclient = None  # the asyncio calls' connection, on the loop of the first
         self.aloop = None
 
+    @property
+    def data_url(self) -> str:
+        """Where this sandbox's calls go (the pool's ``route``)."""
+        if self.pool.route == "node" and self.lease.get("gateway_url"):
+            return self.lease["gateway_url"]
+        return self.lease["data_url"]
+
     def _blocking(self):
         if self.client is None:
-            self.client = connect_lease(self.lease["data_url"], self.pool.api_key,
+            self.client = connect_lease(self.data_url, self.pool.api_key,
                                         self.lease_id, context=self.pool.context)
         return self.client
 
@@ -80,7 +90,7 @@ class RemoteSandbox:
             if self.aclient is not None and self.aloop is loop:
                 self.aclient.close()
             self.aclient = await connect_lease_async(
-                self.lease["data_url"], self.pool.api_key, self.lease_id,
+                self.data_url, self.pool.api_key, self.lease_id,
                 context=self.pool.context)
             self.aloop = loop
         return self.aclient
@@ -174,7 +184,11 @@ class RemotePool:
     """See ``connect``."""
 
     def __init__(self, url: str, api_key: str, *, keepalive_s: float = 30.0,
-                 context: Optional[ssl.SSLContext] = None, timeout: float = 30.0):
+                 context: Optional[ssl.SSLContext] = None, timeout: float = 30.0,
+                 route: str = "front"):
+        if route not in ("front", "node"):
+            raise ValueError("route is 'front' or 'node', got %r" % (route,))
+        self.route = route
         parts = service_url(url)
         self.url, self.api_key, self.keepalive_s = url, api_key, keepalive_s
         self.context, self.timeout, self.parts = context, timeout, parts
@@ -233,12 +247,13 @@ class RemotePool:
 
     # ---- leases
     def acquire(self, spec: Union[SandboxSpec, str, None] = None, *, timeout: float = 60.0,
-                keepalive_s: Optional[float] = None,
-                request_id: Optional[str] = None) -> RemoteSandbox:
+                keepalive_s: Optional[float] = None, request_id: Optional[str] = None,
+                node: Optional[str] = None) -> RemoteSandbox:
         """A sandbox for ``spec`` (an image name, a SandboxSpec; None: the default),
-        within ``timeout`` seconds. A request cut before its answer is sent again with
-        the same request id (``request_id``; default a new one): the same lease."""
-        body = self._acquire_body(spec, timeout, keepalive_s, request_id)
+        within ``timeout`` seconds, on ``node`` (a Ray node's id; None: any). A request
+        cut before its answer is sent again with the same request id (``request_id``;
+        default a new one): the same lease."""
+        body = self._acquire_body(spec, timeout, keepalive_s, request_id, node)
         deadline = time.monotonic() + timeout + self.timeout
         while True:
             try:
@@ -251,9 +266,10 @@ class RemotePool:
 
     async def acquire_async(self, spec: Union[SandboxSpec, str, None] = None, *,
                             timeout: float = 60.0, keepalive_s: Optional[float] = None,
-                            request_id: Optional[str] = None) -> RemoteSandbox:
+                            request_id: Optional[str] = None,
+                            node: Optional[str] = None) -> RemoteSandbox:
         """``acquire`` for asyncio."""
-        body = self._acquire_body(spec, timeout, keepalive_s, request_id)
+        body = self._acquire_body(spec, timeout, keepalive_s, request_id, node)
         deadline = time.monotonic() + timeout + self.timeout
         while True:
             try:
@@ -265,9 +281,11 @@ class RemotePool:
                 await asyncio.sleep(RETRY_SLEEP_S)
 
     def _acquire_body(self, spec, timeout: float, keepalive_s: Optional[float],
-                      request_id: Optional[str]) -> dict:
+                      request_id: Optional[str], node: Optional[str]) -> dict:
         body = {"timeout_s": timeout, "keepalive_s": keepalive_s or self.keepalive_s,
                 "request_id": request_id or uuid.uuid4().hex}
+        if node is not None:
+            body["node"] = node
         if isinstance(spec, SandboxSpec):
             body["spec"] = spec.to_dict()
         elif spec is not None:

@@ -10,8 +10,11 @@ a client that stops (SIGKILLed, cut off) loses its leases within that time plus 
 sweep of the pool.
 
 It listens twice: the control plane (service/http.py, aiohttp) and the data plane
-(service/relay.py), both on ``host``. Its sandboxes are on its own node, where the
-daemons' sockets are (gateways on other nodes are to come).
+(service/relay.py), both on ``host``. Its leases are placed on any node of the cluster
+(or the one an acquire names); a daemon's socket is on its own node, so each other node
+that holds a lease gets a gateway of the service (service/gateways.py), which the lease
+names (``gateway_url``), and the data plane here relays onward to it for clients that
+reach only this address.
 """
 
 import asyncio
@@ -31,9 +34,11 @@ from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.service.http import Refusal
-from sandman_ray.service.relay import Gateway, Held
+from sandman_ray.service.gateways import (onward_context, server_context, start_gateway,
+                                          stop_gateways)
+from sandman_ray.service.relay import Gateway, Held, Refused, admitting
 from sandman_ray.service.tenants import KeyStore
-from sandman_ray.spec import SandboxSpec, parse_image
+from sandman_ray.spec import ANYWHERE, SandboxSpec, parse_image
 
 SERVICE_PREFIX = HOST_PREFIX + "svc-"
 CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
@@ -60,14 +65,13 @@ class ServiceHost(_HandleHost):
         ``slow_after``: failed keys from one address a minute before each more one is
         slowed (0: never)."""
         self.slow_after = slow_after
-        import ssl
         from aiohttp import web
         from sandman_ray.service.http import app
-        context = None
+        context = self.tls_pem = onward = None
         if tls is not None:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(*tls)
+            context = server_context(*tls)
+            self.tls_pem = tuple(open(path).read() for path in tls)
+            onward = onward_context(self.tls_pem[0])
         scheme = "https" if context else "http"
         self.pool = pool
         self.keys = KeyStore(keys_path)
@@ -78,7 +82,11 @@ class ServiceHost(_HandleHost):
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
         self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
-        self.gateway = Gateway(self.keys.verify, self._find, self._used)
+        self.gateways: Dict[str, Tuple[object, str]] = {}  # node id -> (its gateway, URL)
+        self.gateway_starts: Dict[str, asyncio.Future] = {}  # node id -> its gateway's start
+        stop_gateways(pool)  # an earlier incarnation's: they ask this one from now on
+        self.gateway = Gateway(admitting(self.keys.verify, self._find), self._used,
+                               onward_ssl=onward)
         self.data = await self.gateway.serve(host, data_port, ssl=context)
         runner = web.AppRunner(app(self, self.keys.verify), access_log=None,
                                handler_cancellation=True)
@@ -98,6 +106,7 @@ class ServiceHost(_HandleHost):
         Their keepalives kept them meanwhile."""
         for lease in await self._tell_pool(self.pool, "held_by", self.name):
             if lease.client.startswith(CLIENT_PREFIX) and lease.keepalive_s:
+                await self._gateway_of(lease.node_id)
                 self._serve(lease.client[len(CLIENT_PREFIX):], lease.lease_id, lease)
                 await self.take(lease)
 
@@ -111,7 +120,36 @@ class ServiceHost(_HandleHost):
         self.served.clear()
         self.per_tenant.clear()
         self.keys.close()
+        stop_gateways(self.pool)
         return len(ids)
+
+    async def _gateway_of(self, node_id: str) -> str:
+        """The URL of the gateway that serves leases on ``node_id``: this process's
+        own on its node, else that node's, started at its first lease."""
+        if node_id == self.node:
+            return self.urls["data_url"]
+        if node_id in self.gateways:
+            return self.gateways[node_id][1]
+        start = self.gateway_starts.get(node_id)
+        if start is None:  # one start however many acquires land there at once
+            start = self.gateway_starts[node_id] = asyncio.ensure_future(
+                self._start_gateway(node_id))
+        try:
+            return await asyncio.shield(start)
+        finally:
+            if start.done():
+                self.gateway_starts.pop(node_id, None)
+
+    async def _start_gateway(self, node_id: str) -> str:
+        actor, url = start_gateway(self.pool, self.name, node_id, self.tls_pem)
+        try:
+            url = await url
+        except ray.exceptions.RayError as exc:
+            ray.kill(actor)
+            raise ProviderError("the service's gateway on node %s did not start: %s"
+                                % (node_id, exc), "transient") from None
+        self.gateways[node_id] = (actor, url)
+        return url
 
     def _serve(self, tenant: str, lease_id: str, lease) -> None:
         if lease_id not in self.served:
@@ -124,7 +162,25 @@ class ServiceHost(_HandleHost):
         if served is None:
             return None
         tenant, lease = served
+        if lease.node_id != self.node:  # one hop more: its node's gateway
+            if lease.node_id not in self.gateways:
+                raise Refused(502, "GatewayLost", "its node's gateway is gone")
+            return Held(tenant, "", "", self.gateways[lease.node_id][1])
         return Held(tenant, lease.address, lease.token)
+
+    async def admit(self, key: Optional[str], lease_id: str, node_id: str) -> list:
+        """A node's gateway asks about an upgrade for ``lease_id`` with ``key``: the
+        lease's [tenant, daemon address, token] when the key is live and its tenant
+        holds the lease on that node, else ["refused", status, type, message]."""
+        served = self.served.get(lease_id)
+        try:
+            if served is not None and served[1].node_id != node_id:
+                served = None  # a gateway learns only of its own node's leases
+            held = await admitting(self.keys.verify, lambda _: served and Held(
+                served[0], served[1].address, served[1].token))(key, lease_id)
+        except Refused as no:
+            return ["refused", no.status, no.kind, no.message]
+        return [held.tenant, held.address, held.token]
 
     def _used(self, lease_id: str) -> None:
         """A relayed call: the lease is in use, and kept alive (touches.py: one round a
@@ -133,7 +189,10 @@ class ServiceHost(_HandleHost):
 
     # ---- the control plane's core (service/http.py)
     async def acquire(self, tenant: str, spec: SandboxSpec, timeout_s: float,
-                      keepalive_s: float, request_id: Optional[str]) -> dict:
+                      keepalive_s: float, request_id: Optional[str],
+                      node: Optional[str] = None) -> dict:
+        """A lease for ``tenant``, on ``node`` (a node id) or wherever the pool finds
+        one (None)."""
         self._allowed(tenant, spec)
         limits = self.keys.tenant(tenant) or {}
         held = self.per_tenant.get(tenant, 0)
@@ -161,10 +220,15 @@ class ServiceHost(_HandleHost):
         try:
             packed = await self._tell_pool(self.pool, "lease", pack_lease_request(
                 spec, CLIENT_PREFIX + tenant, timeout_s, self.name, self.node, lease_id,
-                self.node, keepalive_s, limits.get("weight")))
+                node or ANYWHERE, keepalive_s, limits.get("weight")))
         finally:
             self.waiting[tenant] -= 1
         lease = unpack_lease(packed)
+        try:
+            await self._gateway_of(lease.node_id)
+        except ProviderError:
+            await self.release(lease_id, self.pool)
+            raise
         self._serve(tenant, lease_id, lease)
         return self._described(lease_id, lease)
 
@@ -189,6 +253,8 @@ class ServiceHost(_HandleHost):
         return {"lease_id": lease_id, "sandbox_id": lease.sandbox_id, "node_id": lease.node_id,
                 "pool": lease.pool, "keepalive_s": lease.keepalive_s,
                 "leased_at": lease.leased_wall, "data_url": self.urls["data_url"],
+                "gateway_url": (self.urls["data_url"] if lease.node_id == self.node
+                                else self.gateways.get(lease.node_id, (None, None))[1]),
                 "connect": "/v1/leases/%s/connect" % lease_id}
 
     def _mine(self, tenant: str, lease_id: str):
@@ -294,6 +360,8 @@ class ServiceHost(_HandleHost):
                 self.ended_for.clear()
             self.ended_for[lease_id] = served[0]
             self.gateway.cut(lease_id)
+            if served[1].node_id in self.gateways:
+                self.gateways[served[1].node_id][0].cut.remote(lease_id)
         return super()._take(lease_id, reason)
 
 

@@ -6,7 +6,7 @@ Every route but ``/v1/openapi.json`` and ``/v1/healthz`` needs ``Authorization: 
 API raises it; another tenant's lease answers 404 exactly as one that never existed.
 
     POST   /v1/leases               acquire: {"image" | "spec", "timeout_s", "keepalive_s",
-                                    "request_id"} -> 201 the lease
+                                    "request_id", "node"} -> 201 the lease
     GET    /v1/leases               the tenant's leases
     GET    /v1/leases/{id}          one of them
     DELETE /v1/leases/{id}          release -> 204
@@ -111,7 +111,7 @@ def app(core, verify) -> web.Application:
 
     async def acquire(request):
         body = _fields(await _body(request),
-                       {"image", "spec", "timeout_s", "keepalive_s", "request_id"})
+                       {"image", "spec", "timeout_s", "keepalive_s", "request_id", "node"})
         spec = _spec(body)
         timeout_s = _number(body, "timeout_s", 60.0, 0.001, TIMEOUT_MAX_S)
         keepalive_s = _number(body, "keepalive_s", 30.0, 5.0, 3600.0)
@@ -119,7 +119,11 @@ def app(core, verify) -> web.Application:
         if request_id is not None and (not isinstance(request_id, str)
                                        or not 1 <= len(request_id) <= 128):
             raise Refusal(400, "ValidationError", "request_id is a string of 1 to 128 characters")
-        lease = await core.acquire(request["tenant"], spec, timeout_s, keepalive_s, request_id)
+        node = body.get("node")
+        if node is not None and (not isinstance(node, str) or not 1 <= len(node) <= 128):
+            raise Refusal(400, "ValidationError", "node is a Ray node's id")
+        lease = await core.acquire(request["tenant"], spec, timeout_s, keepalive_s, request_id,
+                                   node)
         return web.json_response(lease, status=201)
 
     async def leases(request):

@@ -10,7 +10,12 @@ _LEASE = {"type": "object", "required": ["lease_id", "sandbox_id", "connect", "k
           "properties": {"lease_id": {"type": "string"}, "sandbox_id": {"type": "string"},
                          "node_id": {"type": ["string", "null"]}, "pool": {"type": "string"},
                          "keepalive_s": {"type": "number"}, "leased_at": {"type": "number"},
-                         "data_url": {"type": "string"},
+                         "data_url": {"type": "string", "description":
+                                      "the service's data plane (the front): it reaches "
+                                      "every lease, relaying onward to its node"},
+                         "gateway_url": {"type": ["string", "null"], "description":
+                                         "the data plane of the lease's node: one hop "
+                                         "less, for clients that reach the nodes"},
                          "connect": {"type": "string", "description":
                                      "the data plane's path on the data URL: GET with "
                                      "Upgrade: sandman-daemon/2"}}}
@@ -72,7 +77,10 @@ def document() -> dict:
                                           "maximum": 600},
                             "keepalive_s": {"type": "number", "minimum": 5, "maximum": 3600},
                             "request_id": {"type": "string", "minLength": 1,
-                                           "maxLength": 128}}}}}},
+                                           "maxLength": 128},
+                            "node": {"type": "string", "minLength": 1, "maxLength": 128,
+                                     "description": "a Ray node's id: the lease is "
+                                     "placed there (default: any node)"}}}}}},
                          "responses": dict({"201": {"description": "the lease",
                                                     "content": json_lease}},
                                            **_errors(400, 401, 403, 408, 413, 422, 429, 503))},

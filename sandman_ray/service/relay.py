@@ -29,7 +29,7 @@ import json
 import re
 import socket
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Awaitable, Callable, Dict, Optional, Tuple
 
 from sandman_ray.client.connection import _SocketPath, _hello_fields, _parse_address
 from sandman_ray.daemon.sandmand.wire import MAX_FRAME, FrameReader, encode_frame, unpack
@@ -54,7 +54,7 @@ class Refused(Exception):
 
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 408: "Request Timeout", 410: "Gone",
+            403: "Forbidden", 405: "Method Not Allowed", 408: "Request Timeout", 410: "Gone",
             426: "Upgrade Required", 429: "Too Many Requests",
             431: "Request Header Fields Too Large",
             502: "Bad Gateway"}
@@ -62,27 +62,47 @@ _REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
 
 @dataclass(frozen=True)
 class Held:
-    """A lease the gateway holds for a tenant: where its daemon is, and its token."""
+    """A lease the gateway holds for a tenant: where its daemon is, and its token; or,
+    for a sandbox of another node, ``onward``: the URL of that node's gateway, which
+    the connection is relayed to (with the client's key, which it checks again)."""
 
     tenant: str
     address: str
     token: str
+    onward: Optional[str] = None
+
+
+Admit = Callable[[Optional[str], str], Awaitable[Held]]
+
+
+def admitting(verify: Callable[[str], Optional[str]],
+              find: Callable[[str], Optional[Held]]) -> Admit:
+    """A gateway's ``admit`` from ``verify(key)``: the tenant of a live API key, else
+    None (``tenants.KeyStore.verify``), and ``find(lease id)``: the Held of a lease
+    held, else None."""
+    async def admit(key: Optional[str], lease_id: str) -> Held:
+        tenant = verify(key) if key is not None else None
+        if tenant is None:
+            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+        held = find(lease_id)
+        if held is None or held.tenant != tenant:
+            raise Refused(404, "LeaseNotFound", "no lease %s" % lease_id)
+        return held
+    return admit
 
 
 class Gateway:
     """Relays the upgraded connections of tenants to the daemons of the leases they
-    hold. ``verify(key)``: the tenant of a live API key, else None
-    (``tenants.KeyStore.verify``); ``find(lease id)``: the Held of a lease held, else
-    None (whoever holds the leases: the service); ``used(lease id)``, if given: called
-    as a client's bytes pass to the daemon (the lease is in use)."""
+    hold. ``admit(key or None, lease id)``: the Held of a lease the key's tenant holds,
+    else Refused (401 for no valid key, 404 for a lease not its: ``admitting``);
+    ``used(lease id)``, if given: called as a client's bytes pass (the lease is in
+    use); ``onward_ssl``: the TLS context of relays to other nodes' gateways."""
 
-    def __init__(self, verify: Callable[[str], Optional[str]],
-                 find: Callable[[str], Optional[Held]],
-                 used: Optional[Callable[[str], None]] = None,
-                 pending_per_address: int = PENDING_PER_ADDRESS):
-        self.verify = verify
-        self.find = find
+    def __init__(self, admit: Admit, used: Optional[Callable[[str], None]] = None,
+                 pending_per_address: int = PENDING_PER_ADDRESS, onward_ssl=None):
+        self.admit = admit
         self.used = used
+        self.onward_ssl = onward_ssl
         self.pending_per_address = pending_per_address
         self.relays: Dict[str, set] = {}  # lease id -> its relays' client writers
         self.pending: Dict[str, int] = {}  # address -> its connections not yet admitted
@@ -102,7 +122,7 @@ class Gateway:
                               "not through their upgrade yet" % self.pending_per_address)
             self.pending[address] = self.pending.get(address, 0) + 1
             try:
-                lease_id, held = await self._admit(reader)
+                lease_id, key, held = await self._admit(reader)
             finally:
                 self.pending[address] -= 1
                 if not self.pending[address]:
@@ -110,7 +130,10 @@ class Gateway:
             if len(self.relays.get(lease_id, ())) >= RELAYS_PER_LEASE:
                 raise Refused(429, "TooManyConnections", "lease %s has %d connections, its "
                               "most" % (lease_id, RELAYS_PER_LEASE))
-            daemon = await open_daemon(held.address, held.token)
+            if held.onward is not None:
+                daemon = await open_onward(held.onward, lease_id, key, self.onward_ssl)
+            else:
+                daemon = await open_daemon(held.address, held.token)
             writer.write(("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                           "Upgrade: %s\r\n\r\n" % UPGRADE).encode())
             self.relays.setdefault(lease_id, set()).add(writer)
@@ -131,7 +154,7 @@ class Gateway:
                 daemon[1].close()
             writer.close()
 
-    async def _admit(self, reader: asyncio.StreamReader) -> Tuple[str, Held]:
+    async def _admit(self, reader: asyncio.StreamReader) -> Tuple[str, str, Held]:
         method, target, headers = await read_head(reader)
         found = _CONNECT.match(target)
         if not found:
@@ -139,17 +162,14 @@ class Gateway:
         if method != "GET":
             raise Refused(405, "MethodNotAllowed", "connect is a GET")
         auth = headers.get("authorization", "")
-        tenant = self.verify(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
-        if tenant is None:
+        key = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        if key is None:
             raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
         if headers.get("upgrade", "").lower() != UPGRADE or \
                 "upgrade" not in headers.get("connection", "").lower():
             raise Refused(426, "UpgradeRequired", "connect upgrades to %s" % UPGRADE)
         lease_id = found.group(1)
-        held = self.find(lease_id)
-        if held is None or held.tenant != tenant:
-            raise Refused(404, "LeaseNotFound", "no lease %s" % lease_id)
-        return lease_id, held
+        return lease_id, key, await self.admit(key, lease_id)
 
     def cut(self, lease_id: str) -> int:
         """Close the relays of ``lease_id`` (its lease ended); how many there were."""
@@ -216,6 +236,44 @@ async def open_daemon(address: str, token: str):
     except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
         writer.close()
         raise Refused(410, "SandboxLost", "its sandbox does not answer: %s" % exc) from None
+    return reader, writer
+
+
+async def open_onward(url: str, lease_id: str, key: str, context=None):
+    """(reader, writer) of a connection to the gateway at ``url`` upgraded for
+    ``lease_id`` with ``key``: its daemon's connection after the hello, one hop
+    further. The gateway's refusal is passed on as it was; Refused(502) when it does
+    not answer."""
+    scheme, _, where = url.partition("://")
+    host, _, port = where.rpartition(":")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            host.strip("[]"), int(port), limit=CHUNK,
+            ssl=context if scheme == "https" else None,
+            server_hostname=None if scheme != "https" else host.strip("[]")), DAEMON_TIMEOUT_S)
+    except (OSError, ValueError, asyncio.TimeoutError) as exc:
+        raise Refused(502, "GatewayLost", "the gateway of its node does not answer: %s"
+                      % exc) from None
+    try:
+        writer.write(("GET /v1/leases/%s/connect HTTP/1.1\r\nHost: %s\r\nAuthorization: "
+                      "Bearer %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n"
+                      % (lease_id, where, key, UPGRADE)).encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DAEMON_TIMEOUT_S)
+        status = int(head.split(b" ", 2)[1])
+        if status != 101:
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            body = await asyncio.wait_for(reader.readexactly(
+                min(int(length.group(1)), HEAD_MAX)), DAEMON_TIMEOUT_S) if length else b"{}"
+            error = json.loads(body).get("error", {})
+            writer.close()
+            raise Refused(status if status in _REASONS else 502,
+                          str(error.get("type", "GatewayError")),
+                          str(error.get("message", "its node's gateway answered %d" % status)))
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError, asyncio.TimeoutError) as exc:
+        writer.close()
+        raise Refused(502, "GatewayLost", "the gateway of its node does not answer: %s"
+                      % exc) from None
     return reader, writer
 
 

@@ -14,11 +14,16 @@ sandman_ray/service/) beside the Ray API, in one run on this machine, over loopb
   memory  the serving process's PSS per connected lease (200 leases, each with its
           data-plane connection open).
   flood   one tenant's ``exec true`` p99 alone, and while another tenant sends as fast
-          as it can (a process of its own, 32 calls in flight on 4 leases), from when
-          the node weighs the flooding tenant down (how long that took, and the p99
-          before, apart); then again
-          with the flooding tenant's sandboxes at the least CPU weight the kernel takes
-          (cgroup v1 cpu.shares 2): the best the pool's weights could do.
+          as it can (a process of its own, 32 calls in flight on 4 leases), of two
+          kinds: ``exec true`` (the node's CPU: from when the node weighs the flooding
+          tenant down, how long that took and the p99 before apart; then with its
+          sandboxes at the least CPU weight the kernel takes, cgroup v1 cpu.shares 2)
+          and ``read_file`` of a small file (cheap calls: the gateway's work more than
+          the sandboxes'). Beside each, the same p99s of a SandboxHandle's direct call
+          to a sandbox of the same pool (another client), interleaved: what the node
+          gives a call with no service in its path. The flooding client runs at
+          SCHED_IDLE: its own CPU stands for a machine of its own (a client of a
+          service is elsewhere), not the node's.
 
 Issue 49's targets: data-plane exec p50 <= 2.0 ms and <= 2x the direct path; the
 service's burst within 1.2x of the Ray API's; a flooding tenant leaves another's p99
@@ -75,8 +80,9 @@ SERVICE_CLIENT = textwrap.dedent("""
 # a tenant that sends ``exec true`` as fast as it can: 8 calls in flight on each of
 # 4 leases, until its standard input closes; prints how many it sent
 FLOOD_CLIENT = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, os, sys
     from sandman_ray.remote import connect
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # stands for another machine
     pool = connect(sys.argv[1], sys.argv[2])
     async def main():
         sbs = [await pool.acquire_async(sys.argv[3], timeout=120) for _ in range(4)]
@@ -87,7 +93,10 @@ FLOOD_CLIENT = textwrap.dedent("""
         stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         async def loop(sb):
             while not stop.done():
-                await sb.exec_async("true")
+                if sys.argv[4] == "read":
+                    await sb.read_file_async("/etc/hostname")
+                else:
+                    await sb.exec_async("true")
                 done[0] += 1
         await asyncio.gather(*[loop(sb) for sb in sbs for _ in range(8)])
         print(done[0], flush=True)
@@ -232,37 +241,45 @@ def memory(image: str, n: int = 200) -> dict:
             "server_pss_mb": after / 1024}
 
 
-def flood(image: str, calls: int = 1000) -> dict:
-    """One tenant's ``exec true`` p99 alone and while another floods the service."""
-    # as many sandboxes as the tenants hold: no create while the clock runs (a create
+def flood(image: str, kind: str = "exec", calls: int = 1000) -> dict:
+    """One tenant's ``exec true`` p99 alone and while another floods the service with
+    ``kind`` calls ("exec" or "read"), beside a direct call's."""
+    # as many sandboxes as the clients hold: no create while the clock runs (a create
     # moves processes between cgroups, which holds up every fork on the node)
-    with served({image: 5}, 5) as (pool, urls, keys):
-        wait_for(lambda: states(pool)["ready"] >= 5, "5 warm sandboxes")
+    with served({image: 6}, 6) as (pool, urls, keys):
+        wait_for(lambda: states(pool)["ready"] >= 6, "6 warm sandboxes")
         quiet = connect(urls["url"], keys[1]).acquire(image, timeout=120)
+        handle = sandman.acquire(image, pool=pool, timeout=120)
         for _ in range(50):
             quiet.exec("true")
+            handle.exec("true")
 
-        def sample(n: int = calls) -> List[float]:
-            out = []
-            for _ in range(n):
-                started = time.perf_counter()
-                quiet.exec("true")
-                out.append(time.perf_counter() - started)
+        def sample(n: int = calls) -> Dict[str, List[float]]:
+            out: Dict[str, List[float]] = {"service": [], "direct": []}
+            for i in range(n):
+                for name, sb in ((("service", quiet), ("direct", handle)) if i % 2 else
+                                 (("direct", handle), ("service", quiet))):
+                    started = time.perf_counter()
+                    sb.exec("true")
+                    out[name].append(time.perf_counter() - started)
             return out
+
+        def joined(*samples) -> Dict[str, List[float]]:
+            return {name: sum((x[name] for x in samples), []) for name in samples[0]}
         alone = sample()
         proc = subprocess.Popen([sys.executable, "-c", FLOOD_CLIENT, urls["url"], keys[0],
-                                 image], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 image, kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         try:
             if proc.stdout.readline().strip() != "go":
                 raise SystemExit("service flood: the flooding client did not start")
             started = time.monotonic()
             # until the node weighs the flooding tenant down (providers/local/cpu_shares.py:
-            # it does while another tenant wants CPU), the quiet one calls on: the
+            # it does while another client wants CPU), the quiet one calls on: the
             # transient, kept apart
             demoted, transient = None, []
             while time.monotonic() - started < 15:
-                transient += sample(50)
+                transient += sample(25)["service"]
                 if weights_of(pool, "svc:t0") == {2}:
                     demoted = time.monotonic() - started
                     break
@@ -271,25 +288,30 @@ def flood(image: str, calls: int = 1000) -> dict:
             # the floor: the flooding tenant's sandboxes at the least weight the kernel
             # takes (what the pool's weights could do at best for the other's latency)
             least = least_weight(pool, "svc:t0")
-            floor = sample() if least else []
+            floor = sample() if least else None
             proc.stdin.close()
             sent = int(proc.stdout.readline())
             proc.wait(60)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        again = sample()  # alone again: the machine's drift over the run
+        alone = joined(alone, sample())  # alone again: the machine's drift over the run
         quiet.release()
-    base = pct(alone + again, 0.99)
-    out = {"alone_p50_ms": pct(alone + again, 0.5) * 1e3, "alone_p99_ms": base * 1e3,
-           "flooded_p50_ms": pct(flooded, 0.5) * 1e3, "flooded_p99_ms": pct(flooded, 0.99) * 1e3,
-           "flood_execs_per_s": sent / took, "p99_flooded_over_alone": pct(flooded, 0.99) / base,
-           "weighed_down_after_s": demoted,
-           "before_weighed_down_p99_ms": pct(transient, 0.99) * 1e3}
-    if floor:
-        out.update(least_weight_p99_ms=pct(floor, 0.99) * 1e3,
-                   p99_least_weight_over_alone=pct(floor, 0.99) / base)
-    return out
+        sandman.release(handle)
+
+    def p99s(name: str) -> dict:
+        base = pct(alone[name], 0.99)
+        out = {"alone_p50_ms": pct(alone[name], 0.5) * 1e3, "alone_p99_ms": base * 1e3,
+               "flooded_p50_ms": pct(flooded[name], 0.5) * 1e3,
+               "flooded_p99_ms": pct(flooded[name], 0.99) * 1e3,
+               "p99_flooded_over_alone": pct(flooded[name], 0.99) / base}
+        if floor:
+            out.update(least_weight_p99_ms=pct(floor[name], 0.99) * 1e3,
+                       p99_least_weight_over_alone=pct(floor[name], 0.99) / base)
+        return out
+    return dict(p99s("service"), direct=p99s("direct"), flood_execs_per_s=sent / took,
+                weighed_down_after_s=demoted,
+                before_weighed_down_p99_ms=pct(transient, 0.99) * 1e3)
 
 
 def weights_of(pool: str, client: str) -> set:
@@ -325,7 +347,8 @@ IMAGE = "builtin:debian"  # a tenant of the service runs images, not directories
 
 def service(n: int = 1000, rounds: int = 1, image: str = IMAGE) -> dict:
     return {"exec": exec_paths(image), "cycle": cycles(image), "burst": bursts(image, n, rounds),
-            "memory": memory(image), "flood": flood(image)}
+            "memory": memory(image), "flood": flood(image, "exec"),
+            "flood_read": flood(image, "read")}
 
 
 def rows(s: dict) -> List[tuple]:
@@ -346,15 +369,25 @@ def rows(s: dict) -> List[tuple]:
          % (b["ray api"]["usable_100_s"], b["ray api"]["usable_50_s"], b["service_over_ray_api"])),
         ("svc", "server PSS per connected lease (%d leases)" % m["leases"],
          "%.1f KB" % m["server_pss_kb_per_lease"], ""),
-        ("svc", "one tenant's exec p99 while another floods / alone",
-         "%.2f / %.2f ms" % (f["flooded_p99_ms"], f["alone_p99_ms"]),
-         "%.2fx (target <= 2x; flood %.0f execs/s)"
-         % (f["p99_flooded_over_alone"], f["flood_execs_per_s"])),
-        ("svc", "... until the flooding tenant is weighed down: its time, that p99",
-         "%s, %.2f ms" % ("%.1f s" % f["weighed_down_after_s"]
-                          if f.get("weighed_down_after_s") is not None else "never",
-                          f["before_weighed_down_p99_ms"]), "")] + ([
-        ("svc", "... the flooding tenant at the kernel's least CPU weight",
-         "%.2f ms" % f["least_weight_p99_ms"],
-         "%.2fx alone (the floor of weights)" % f["p99_least_weight_over_alone"])]
-        if "least_weight_p99_ms" in f else [])
+        ] + flood_rows("exec true", f) + flood_rows("read_file", s["flood_read"])
+
+
+def flood_rows(kind: str, f: dict) -> List[tuple]:
+    d = f["direct"]
+    out = [("svc", "one tenant's exec p99 while another floods %s / alone" % kind,
+            "%.2f / %.2f ms" % (f["flooded_p99_ms"], f["alone_p99_ms"]),
+            "%.2fx (target <= 2x; flood %.0f calls/s)"
+            % (f["p99_flooded_over_alone"], f["flood_execs_per_s"])),
+           ("svc", "... a direct call's under the same flood / alone",
+            "%.2f / %.2f ms" % (d["flooded_p99_ms"], d["alone_p99_ms"]),
+            "%.2fx (no service in its path: the node's floor)" % d["p99_flooded_over_alone"]),
+           ("svc", "... until the flooding tenant is weighed down: its time, that p99",
+            "%s, %.2f ms" % ("%.1f s" % f["weighed_down_after_s"]
+                             if f.get("weighed_down_after_s") is not None else "never",
+                             f["before_weighed_down_p99_ms"]), "")]
+    if "least_weight_p99_ms" in f:
+        out.append(("svc", "... the flooding tenant at the kernel's least CPU weight",
+                    "%.2f / %.2f ms" % (f["least_weight_p99_ms"], d["least_weight_p99_ms"]),
+                    "%.2fx / %.2fx alone (service / direct)"
+                    % (f["p99_least_weight_over_alone"], d["p99_least_weight_over_alone"])))
+    return out

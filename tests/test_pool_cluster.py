@@ -3,6 +3,7 @@ both nodes' agents, and each handle runs on its sandbox's node, talking to the d
 over its unix socket there; the service (``sandman serve``) serves the leases of both
 nodes, at its front and at each node's gateway."""
 
+import os
 import time
 import uuid
 
@@ -128,7 +129,8 @@ def test_the_service_serves_every_node_at_its_front_and_at_each_nodes_gateway(
     from sandman_ray.errors import AuthError, ConnectionLost, LeaseNotHeld
     from sandman_ray.remote import connect
     from sandman_ray.remote.channel import connect_lease
-    from sandman_ray.service.gateways import GATEWAY_PREFIX
+    from sandman_ray.pool.cluster import NAMESPACE
+    from sandman_ray.service.gateways import GATEWAY_PREFIX, gateway_name
     from sandman_ray.service.tenants import KeyStore
     node_ip = ray.util.get_node_ip_address()
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -158,6 +160,10 @@ def test_the_service_serves_every_node_at_its_front_and_at_each_nodes_gateway(
                        if sb.lease["gateway_url"] != urls["data_url"]]
         far = leases[far_node]
         assert far.node_id == far_node and far.lease["gateway_url"].startswith("https://")
+        gateway = ray.get_actor(gateway_name(pool, far_node), namespace=NAMESPACE)
+        pid = ray.get(gateway.__ray_call__.remote(lambda self: __import__("os").getpid()))
+        assert {os.getpriority(os.PRIO_PROCESS, int(t))
+                for t in os.listdir("/proc/%d/task" % pid)} == {0}  # not a Ray worker's 15
         for sb in leases.values():  # the front reaches both nodes
             assert sb.exec("cat /etc/hostname >/dev/null; echo ok").stdout == b"ok\n"
         far.write_file("/tmp/f", b"from the front")

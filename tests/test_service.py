@@ -247,6 +247,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_the_server_runs_at_the_normal_priority_not_a_ray_workers(service):
+    """Ray starts its workers at nice 15; the server relays every tenant's calls, so a
+    busy process anywhere on the node (a tenant's commands, a client) would hold up
+    every tenant's calls. Each of its threads runs at nice 0, as a Ray worker does not."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness():
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    assert ray.get(niceness.remote()) > 0  # what the server would run at
+    threads = os.listdir("/proc/%d/task" % service["pid"])
+    assert [os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads] == [0] * len(threads)
+
+
 def test_the_service_started_again_serves_the_leases_it_held(tmp_path):
     """The server dies (its actor killed) under a held lease whose client keeps it
     alive: a call in flight then raises ConnectionLost; ``sandman serve`` again on the

@@ -63,6 +63,24 @@ def onward_context(cert_pem: str) -> ssl.SSLContext:
     return context
 
 
+def serve_at_normal_priority() -> bool:
+    """Raise this process's threads from the nice value Ray gives its workers (15) to
+    0, as the node's other servers run: a gateway relays every tenant's calls, and at
+    nice 15 any busy process of the node (a sandbox's commands, a client on the same
+    machine) delays it, and every tenant's calls with it (a tenant's flood of cheap
+    calls took another's p99 from 1.6 to 44 ms here, 23 ms at nice 0). False where
+    the process may not (no CAP_SYS_NICE)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+        except PermissionError:
+            return False
+    return True
+
+
 class NodeGateway:
     """See the module's docstring."""
 
@@ -72,6 +90,7 @@ class NodeGateway:
         actor name, asked about each upgrade."""
         self.pool, self.service_name = pool, service
         self.service = self.pool_actor = None
+        serve_at_normal_priority()
         host = ray.util.get_node_ip_address()
         context = server_context_of(*tls_pem) if tls_pem else None
         self.gateway = Gateway(self._admit, self._used)

@@ -34,8 +34,8 @@ from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.service.http import Refusal
-from sandman_ray.service.gateways import (onward_context, server_context, start_gateway,
-                                          stop_gateways)
+from sandman_ray.service.gateways import (onward_context, serve_at_normal_priority,
+                                          server_context, start_gateway, stop_gateways)
 from sandman_ray.service.relay import Gateway, Held, Refused, admitting
 from sandman_ray.service.tenants import KeyStore
 from sandman_ray.spec import ANYWHERE, SandboxSpec, parse_image
@@ -65,6 +65,7 @@ class ServiceHost(_HandleHost):
         ``slow_after``: failed keys from one address a minute before each more one is
         slowed (0: never)."""
         self.slow_after = slow_after
+        serve_at_normal_priority()
         from aiohttp import web
         from sandman_ray.service.http import app
         context = self.tls_pem = onward = None

@@ -13,6 +13,8 @@ sandman_ray/service/) beside the Ray API, in one run on this machine, over loopb
           client processes), in turns.
   memory  the serving process's PSS per connected lease (200 leases, each with its
           data-plane connection open).
+  server  Ray Serve beside the service's own server: a no-op request, and ``exec true``
+          through a Serve replica (bench/service_serve.py).
   flood   one tenant's ``exec true`` p99 alone, and while another tenant sends as fast
           as it can (a process of its own, 32 calls in flight on 4 leases), of two
           kinds: ``exec true`` (the node's CPU: from when the node weighs the flooding
@@ -51,7 +53,9 @@ from sandman_ray.remote import connect
 from sandman_ray.service.host import start_service, stop_service
 from sandman_ray.service.tenants import KeyStore
 
+import service_serve
 from burst import clients_burst, pool_burst, summary
+from service_serve import serve_beside_ours
 from common import pct, process_cpu_s, provider, states, wait_for
 
 # a tenant's burst client: no Ray; n acquires at a shared moment, each with a first
@@ -348,7 +352,13 @@ IMAGE = "builtin:debian"  # a tenant of the service runs images, not directories
 def service(n: int = 1000, rounds: int = 1, image: str = IMAGE) -> dict:
     return {"exec": exec_paths(image), "cycle": cycles(image), "burst": bursts(image, n, rounds),
             "memory": memory(image), "flood": flood(image, "exec"),
-            "flood_read": flood(image, "read")}
+            "flood_read": flood(image, "read"), "server": server(image)}
+
+
+def server(image: str) -> dict:
+    """Ray Serve beside the service's own server (bench/service_serve.py)."""
+    with served({image: 2}, 8) as (pool, urls, keys):
+        return serve_beside_ours(urls, keys[0], image, pool)
 
 
 def rows(s: dict) -> List[tuple]:
@@ -369,7 +379,8 @@ def rows(s: dict) -> List[tuple]:
          % (b["ray api"]["usable_100_s"], b["ray api"]["usable_50_s"], b["service_over_ray_api"])),
         ("svc", "server PSS per connected lease (%d leases)" % m["leases"],
          "%.1f KB" % m["server_pss_kb_per_lease"], ""),
-        ] + flood_rows("exec true", f) + flood_rows("read_file", s["flood_read"])
+        ] + flood_rows("exec true", f) + flood_rows("read_file", s["flood_read"]) + \
+        service_serve.rows(s["server"])
 
 
 def flood_rows(kind: str, f: dict) -> List[tuple]:

@@ -61,30 +61,3 @@ def test_an_idle_node_weighs_nobody_down():
         cpu.forget("a1")
         cpu.forget("b1")
     asyncio.run(run())
-
-
-def test_a_node_busy_outside_its_sandboxes_shares_what_is_left():
-    """A flood of cheap calls keeps the service's gateway busier than the sandboxes
-    (0.7 CPUs of 2 in sandboxes, none idle): the sandboxes' CPU is what they use, and a
-    client over its share of that weighs the least. With CPU idle, nobody is."""
-    async def run():
-        cpu, written = shares()
-        cpu.set("a1", "svc:a", 1.0)
-        cpu.set("b1", "svc:b", 1.0)
-        used = {"a1": 0.0, "b1": 0.0}
-
-        def second(idle):
-            used.update(a1=used["a1"] + 0.6, b1=used["b1"] + 0.1)
-            cpu.step(dict(used), 1.0, idle=idle)
-        for _ in range(3):
-            second(1.0)  # half the node idle: not contended
-        assert cpu.over == set() and written == {"a1": 1.0, "b1": 1.0}
-        for _ in range(2):
-            second(0.05)  # saturated: a's 0.6 is over its 0.35 of the sandboxes' 0.7
-        assert cpu.over == {"svc:a"} and written == {"a1": LEAST, "b1": 1.0}
-        for _ in range(2):
-            second(1.0)
-        assert cpu.over == set() and written["a1"] == 1.0
-        cpu.forget("a1")
-        cpu.forget("b1")
-    asyncio.run(run())

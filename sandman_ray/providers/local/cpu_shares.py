@@ -7,12 +7,10 @@ shares the CPU fairly over time, but not the latency of a call: a client whose
 sandboxes keep the CPU busy (a tenant that floods them with commands) still holds it
 for a slice whenever another's sandbox wakes for a short command, and the other's tail
 latency grows tenfold (bench/service.py, "flood"). So, once a second, while the node's
-sandboxes use more than half its CPU, or the node has hardly any CPU idle (a flood of
-cheap calls keeps the service's gateway busy more than the sandboxes), each client's
-use is compared with its share (the CPU the sandboxes use or could, that is theirs
-and what is idle, times its weight over the weights of the clients using any): a
-client over its share weighs the least the kernel takes until it is back under 0.8 of
-it, and the others keep their weights. The CPU stays work-conserving: a client alone, or the
+sandboxes use more than half its CPU, each client's use is compared with its share
+(the node's CPUs times its weight over the weights of the clients using any): a client
+over its share weighs the least the kernel takes until it is back under 0.8 of it, and
+the others keep their weights. The CPU stays work-conserving: a client alone, or the
 only one wanting more, still gets all that is free.
 """
 
@@ -26,7 +24,6 @@ logger = logging.getLogger(__name__)
 LEAST = 2 / 1024  # the least weight: cgroup v1 cpu.shares 2 (v2 cpu.weight 1)
 PERIOD_S = 1.0
 BUSY = 0.5  # the node's sandboxes use more than this of its CPUs: contended
-SATURATED = 0.1  # ... or less than this of its CPUs is idle, whoever uses the rest
 ACTIVE = 0.05  # CPUs a client uses to count as wanting any
 LEAVE = 0.8  # an over-share client is weighed normally again under this of its share
 
@@ -128,14 +125,13 @@ class CpuShares:
             await asyncio.sleep(PERIOD_S)
             try:
                 clients = {client for client, _ in self.weights.values()}
-                fraction = busy.fraction()
-                if len(clients) < 2 or fraction < BUSY:
+                if len(clients) < 2 or busy.fraction() < BUSY:
                     self.used.clear()  # the next reading starts afresh
                     self.rates.clear()
                     self.step({}, PERIOD_S)
                     continue
                 used = await loop.run_in_executor(None, self._read)
-                self.step(used, PERIOD_S, idle=(1.0 - fraction) * self.cpus)
+                self.step(used, PERIOD_S)
             except Exception:  # noqa: BLE001 - weights wait for the next second
                 logger.exception("the sandboxes' CPU use could not be read")
 
@@ -147,11 +143,9 @@ class CpuShares:
                 out[sandbox_id] = cpu_seconds(procs)
         return out
 
-    def step(self, used: Dict[str, float], elapsed: float,
-             idle: Optional[float] = None) -> None:
+    def step(self, used: Dict[str, float], elapsed: float) -> None:
         """``used``: each leased sandbox's CPU seconds so far, ``elapsed`` seconds after
-        the last step, ``idle``: the CPUs the node left idle meanwhile (None: not
-        known): which clients are over their share now, and their weights."""
+        the last step: which clients are over their share now, and their weights."""
         now: Dict[str, float] = {}
         for sandbox_id, seconds in used.items():
             if sandbox_id not in self.weights:
@@ -166,15 +160,12 @@ class CpuShares:
             weight_of[client] = weight_of.get(client, 0.0) + weight
         self.rates = {c: 0.5 * self.rates.get(c, r) + 0.5 * r for c, r in now.items()}
         active = {c for c, r in self.rates.items() if r >= ACTIVE and c in weight_of}
-        using = sum(self.rates.values())
-        saturated = idle is not None and idle < SATURATED * self.cpus
-        contended = (using >= BUSY * self.cpus or saturated) and len(active) > 1
-        capacity = min(self.cpus, using + idle) if idle is not None else self.cpus
+        contended = sum(self.rates.values()) >= BUSY * self.cpus and len(active) > 1
         over = set()
         if contended:
             total = sum(weight_of[c] for c in active)
             for client in active:
-                share = capacity * weight_of[client] / total
+                share = self.cpus * weight_of[client] / total
                 limit = LEAVE * share if client in self.over else share
                 if self.rates[client] > limit:
                     over.add(client)

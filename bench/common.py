@@ -51,3 +51,20 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 600) -> 
         if time.monotonic() > deadline:
             raise SystemExit("timed out waiting for %s" % what)
         time.sleep(0.2)
+
+
+def run_alone(measure: Callable[[], dict], rows: Callable[[dict], list],
+              name: str) -> int:
+    """A section run by itself (``python bench/<section>.py``): ``measure()`` on a Ray
+    of this machine's two CPUs, its ``rows`` as a table, then its JSON line."""
+    import json
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
+    try:
+        result = measure()
+    finally:
+        ray.shutdown()
+    for row in rows(result):
+        print("%-6s %-62s %-18s %s" % row)
+    print(json.dumps({"bench": name, "results": result}))
+    return 0

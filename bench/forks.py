@@ -20,7 +20,6 @@ copies, their layers.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,14 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
-import ray
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sandman_ray as sandman  # noqa: E402
 from sandman_ray.providers.local import LocalProvider  # noqa: E402
 from sandman_ray.providers.local.provider import DEFAULT_SNAPSHOT_ROOT  # noqa: E402
 
 import progress  # noqa: E402  (bench/progress.py)
+from common import run_alone  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES, FILE_BYTES = 200, 250_000  # 50 MB
@@ -166,15 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--copies", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="sandman-bench", log_to_driver=False)
-    try:
-        result = fork_vs_fresh(args.copies, args.rounds)
-    finally:
-        ray.shutdown()
-    for row in rows(result):
-        print("%-6s %-62s %-18s %s" % row)
-    print(json.dumps({"bench": "forks", "results": result}))
-    return 0
+    return run_alone(lambda: fork_vs_fresh(args.copies, args.rounds), rows, "forks")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ On a local Ray with the LocalProvider, each section in a module of its own
          1,000 execs, the lease cycle, 1,000 acquires from 10 tenants' client
          processes beside the same through the Ray API, memory per connected lease,
          and one tenant's p99 while another floods (``bench/service.py``).
+  fusion  SandboxFusion's ``/run_code`` on the service, a python print one at a time and
+         64 at once, beside the same program run by a plain subprocess on the host
+         (``bench/fusion.py``).
   isolation  what each isolation level costs, one after the other in this run
          (``bench/isolation.py``): create -> first exec (one at a time) and
          ``exec true`` through the daemon client, for the LocalProvider with root inside
@@ -83,6 +86,7 @@ import cost  # noqa: E402
 import cycles  # noqa: E402
 import density  # noqa: E402
 import forks  # noqa: E402
+import fusion  # noqa: E402
 import isolation  # noqa: E402
 import progress  # noqa: E402
 import service  # noqa: E402
@@ -141,13 +145,15 @@ def table(results: dict, args) -> List[tuple]:
         rows += density.rows(results["density"])
     if "service" in results:
         rows += service.rows(results["service"])
+    if "fusion" in results:
+        rows += fusion.rows(results["fusion"])
     return rows
 
 
 # in the order they run; stream last: its 100 MB chunks stay in the host's heap (which
 # density measures)
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "density",
-            "service", "stream")
+            "service", "fusion", "stream")
 
 
 def isolation_section(args) -> dict:
@@ -209,6 +215,7 @@ def main(argv=None) -> int:
             "isolation": lambda: isolation_section(args),
             "density": lambda: density.density(density.parse_ns(args.density_ns)),
             "service": lambda: service.service(args.service_n, args.service_rounds),
+            "fusion": fusion.fusion,
             "stream": lambda: stream.stream(image)}
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import pct  # noqa: E402
+from common import pct, run_alone  # noqa: E402
 
 
 def free_port() -> int:
@@ -125,19 +125,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000)
     args = parser.parse_args()
-    import ray
-    import service
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with service.served({service.IMAGE: 2}, 8) as (pool, urls, keys):
-            out = serve_beside_ours(urls, keys[0], service.IMAGE, pool, args.n)
-    finally:
-        ray.shutdown()
-    for row in rows(out):
-        print("%-6s %-62s %-18s %s" % row)
-    print(json.dumps(out))
-    return 0
 
+    def measure() -> dict:
+        import service
+        with service.served({service.IMAGE: 2}, 8) as (pool, urls, keys):
+            return serve_beside_ours(urls, keys[0], service.IMAGE, pool, args.n)
+    return run_alone(measure, rows, "service_serve")
 
 if __name__ == "__main__":
     sys.exit(main())

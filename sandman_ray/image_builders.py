@@ -171,8 +171,10 @@ def write_docker_archive(rootfs: Path, archive: Path, config: Optional[dict] = N
 
 # ``builtin:<name>``: how each built-in image is made. builtin:debian is a task image of
 # the kind agents work in: bash, python (also as ``python``) and a pager, which
-# SWE-ReX's own suite runs (tests/peer) assumes.
-BUILTIN_PACKAGES = {"debian": ("python3", "python-is-python3", "less")}
+# SWE-ReX's own suite runs (tests/peer) assumes. builtin:code runs programs of
+# SandboxFusion's requests (service/fusion.py): python, bash, C and C++.
+BUILTIN_PACKAGES = {"debian": ("python3", "python-is-python3", "less"),
+                    "code": ("python3", "python-is-python3", "gcc", "g++", "libc6-dev")}
 
 
 def builtin_key(name: str) -> str:

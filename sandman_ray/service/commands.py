@@ -33,6 +33,9 @@ def add_parsers(sub) -> None:
     serve.add_argument("--insecure", action="store_true",
                        help="listen beyond loopback without TLS (keys cross in the clear)")
     serve.add_argument("--keys", help="the key store (default: %s)" % default_path())
+    serve.add_argument("--fusion-image", default="builtin:code",
+                       help="the image SandboxFusion's /run_code runs programs in "
+                            "(default: %(default)s: python, bash, C, C++)")
     serve.add_argument("--stop", action="store_true", help="stop the service of POOL")
     serve.add_argument("--slow-after", type=int, default=5,
                        help="failed keys from one address a minute before each more one "
@@ -93,8 +96,10 @@ def cmd_serve(args) -> int:
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     if args.slow_after < 0:
         raise ValueError("--slow-after is 0 or more, got %d" % args.slow_after)
+    from sandman_ray.spec import parse_image
+    parse_image(args.fusion_image)  # a bad reference is said now, by name
     _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls,
-                            args.slow_after)
+                            args.slow_after, args.fusion_image)
     print(json.dumps(dict(urls, pool=args.pool)), flush=True)
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import ray
 
 from sandman_ray import touches
-from sandman_ray.errors import ProviderError
+from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.host import HOST_CALLS, _HandleHost
 from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
@@ -43,6 +43,8 @@ from sandman_ray.spec import ANYWHERE, SandboxSpec, parse_image
 SERVICE_PREFIX = HOST_PREFIX + "svc-"
 CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
 SLOW_AFTER = 5  # failed keys from one address a minute before each more one is slowed
+FUSION_IMAGE = "builtin:code"  # SandboxFusion's requests run here (image_builders.py)
+FUSION_RETRY_S = 0.02  # a /run_code of a tenant at its limit asks again this often
 
 
 def snapshot_prefix(tenant: str) -> str:
@@ -59,12 +61,14 @@ class ServiceHost(_HandleHost):
 
     async def start(self, pool: str, keys_path: str, host: str, port: int,
                     data_port: int, tls: Optional[Tuple[str, str]] = None,
-                    slow_after: int = SLOW_AFTER) -> Dict[str, str]:
+                    slow_after: int = SLOW_AFTER,
+                    fusion_image: str = FUSION_IMAGE) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
         control plane's and the data plane's URLs, and the serving process's pid.
         ``slow_after``: failed keys from one address a minute before each more one is
-        slowed (0: never)."""
+        slowed (0: never); ``fusion_image``: the image SandboxFusion's requests run in."""
         self.slow_after = slow_after
+        self.fusion_image, self.fusion_carried = fusion_image, set()
         serve_at_normal_priority()
         from aiohttp import web
         from sandman_ray.service.http import app
@@ -339,6 +343,41 @@ class ServiceHost(_HandleHost):
                            if k in ("weight", "max_sandboxes", "creates_per_s")},
                 "pool": {k: pool.get(k) for k in ("name", "states", "waiting") if k in pool}}
 
+    async def run_code(self, tenant: str, request) -> dict:
+        """SandboxFusion's ``/run_code`` (service/fusion.py): ``request`` run in a
+        sandbox of the fusion image on this node, lent for it alone (a tenant at its
+        limit waits for room rather than be refused, as long as the request's timeouts
+        together), and given back."""
+        from sandman_ray.client.aio import AsyncDaemonClient
+        from sandman_ray.service import fusion
+        spec = SandboxSpec(image=self.fusion_image)
+        deadline = time.monotonic() + request.compile_timeout + request.run_timeout
+        while True:
+            try:
+                lease = await self.acquire(tenant, spec, max(1.0, deadline - time.monotonic()),
+                                           30.0, None, self.node)
+                break
+            except Refusal as no:  # at its limit: asked again as soon as one may be done
+                if no.status != 429 or time.monotonic() + FUSION_RETRY_S > deadline:
+                    raise
+                await asyncio.sleep(FUSION_RETRY_S)
+        lease_id = lease["lease_id"]
+        try:
+            if lease_id not in self.served:
+                raise SandboxLost("its sandbox was reclaimed before the program ran")
+            held = self.served[lease_id][1]
+            client = await AsyncDaemonClient.connect(held.address, held.token)
+            try:
+                return await fusion.run(client, request, self.fusion_carried)
+            finally:
+                client.close()
+        except SandmanError as exc:
+            return {"status": "SandboxError", "message": "%s: %s" % (type(exc).__name__, exc),
+                    "compile_result": None, "run_result": None, "executor_pod_name": None,
+                    "files": {}}
+        finally:
+            await self.release(lease_id, self.pool)
+
     async def failed_key(self, address: Optional[str]) -> None:
         """A request without a valid key from ``address``: after a few a minute, each
         more one waits, longer and longer (at most 5 s), before its 401."""
@@ -372,7 +411,8 @@ RemoteServiceHost = ray.remote(num_cpus=0, max_restarts=0,
 
 def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int = 0,
                   data_port: int = 0, tls: Optional[Tuple[str, str]] = None,
-                  slow_after: int = SLOW_AFTER) -> Tuple[object, Dict[str, str]]:
+                  slow_after: int = SLOW_AFTER,
+                  fusion_image: str = FUSION_IMAGE) -> Tuple[object, Dict[str, str]]:
     """The service of ``pool`` on this node, started (detached: it outlives the
     process that started it, until ``stop_service``); (its actor, its URLs)."""
     actor = RemoteServiceHost.options(
@@ -381,7 +421,7 @@ def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int 
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
     try:
         urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls,
-                                          slow_after))
+                                          slow_after, fusion_image))
     except BaseException:
         ray.kill(actor)
         raise

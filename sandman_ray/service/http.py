@@ -75,8 +75,11 @@ def app(core, verify) -> web.Application:
         except web.HTTPException as exc:  # aiohttp's own: 404 of a route, 405, 413
             if exc.status < 400:
                 raise
-            answer = error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
-                                    exc.reason)
+            if request.path in FUSION_PATHS or request.path.startswith("/fusion/"):
+                answer = web.json_response({"detail": exc.reason}, status=exc.status)
+            else:
+                answer = error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
+                                        exc.reason)
             if "Allow" in exc.headers:  # a 405 says which methods are (RFC 9110)
                 answer.headers["Allow"] = exc.headers["Allow"]
             return answer
@@ -99,8 +102,9 @@ def app(core, verify) -> web.Application:
 
     @web.middleware
     async def auth(request, handler):
-        if request.path in ("/v1/openapi.json", "/v1/healthz"):
-            return await handler(request)
+        if request.path in ("/v1/openapi.json", "/v1/healthz") or \
+                request.path in FUSION_PATHS or request.path.startswith("/fusion/"):
+            return await handler(request)  # no key, or SandboxFusion's routes (their shape)
         header = request.headers.get("Authorization", "")
         tenant = verify(header[len("Bearer "):]) if header.startswith("Bearer ") else None
         if tenant is None:
@@ -188,6 +192,7 @@ def app(core, verify) -> web.Application:
         return web.json_response({"ok": True})
 
     application = web.Application(middlewares=[errors, auth], client_max_size=BODY_MAX)
+    application.add_routes(fusion_routes(core, verify))
     application.add_routes([
         web.post("/v1/leases", acquire), web.get("/v1/leases", leases),
         web.get("/v1/leases/{id}", one), web.delete("/v1/leases/{id}", release),
@@ -198,6 +203,62 @@ def app(core, verify) -> web.Application:
         web.delete("/v1/snapshots/{name}", delete_snapshot),
         web.get("/v1/openapi.json", openapi), web.get("/v1/healthz", healthz)])
     return application
+
+
+FUSION_PATHS = ("/run_code", "/v1/ping")  # SandboxFusion's, with Authorization: Bearer
+
+
+def fusion_routes(core, verify) -> list:
+    """SandboxFusion's routes (service/fusion.py): ``/fusion/<API key>/run_code`` and
+    ``/fusion/<API key>/v1/ping`` for clients that send no headers of their own, and
+    ``/run_code`` and ``/v1/ping`` with ``Authorization: Bearer``. Every refusal is in
+    SandboxFusion's shape, ``{"detail": ...}``."""
+    from sandman_ray.service import fusion
+
+    def refused(status: int, detail) -> web.Response:
+        return web.json_response({"detail": detail}, status=status)
+
+    async def tenant_of(request) -> Optional[str]:
+        key = request.match_info.get("key")
+        if key is None:
+            header = request.headers.get("Authorization", "")
+            key = header[len("Bearer "):] if header.startswith("Bearer ") else None
+        tenant = verify(key) if key else None
+        if tenant is None:
+            await core.failed_key(request.remote)
+        return tenant
+
+    async def ping(request):
+        if await tenant_of(request) is None:
+            return refused(401, "no valid API key")
+        return web.Response(text="pong")
+
+    async def run_code(request):
+        tenant = await tenant_of(request)
+        if tenant is None:
+            return refused(401, "no valid API key")
+        if request.content_length is not None and request.content_length > fusion.REQUEST_MAX:
+            return refused(413, "a request is at most %d bytes" % fusion.REQUEST_MAX)
+        data = await request.content.read(fusion.REQUEST_MAX + 1)
+        if len(data) > fusion.REQUEST_MAX:
+            return refused(413, "a request is at most %d bytes" % fusion.REQUEST_MAX)
+        try:
+            asked = fusion.parse(json.loads(data))
+        except (ValueError, UnicodeDecodeError):
+            return refused(422, [{"loc": ["body"], "msg": "not JSON", "type": "json_invalid"}])
+        except fusion.Invalid as no:
+            return refused(no.status, no.detail)
+        try:
+            return web.json_response(await core.run_code(tenant, asked))
+        except Refusal as no:
+            return refused(no.status, no.message)
+        except SandmanError as exc:  # no sandbox for it: the pool's word
+            return web.json_response({"status": "SandboxError", "message": "%s: %s" % (
+                type(exc).__name__, exc), "compile_result": None, "run_result": None,
+                "executor_pod_name": None, "files": {}})
+
+    return [web.post("/fusion/{key}/run_code", run_code), web.get("/fusion/{key}/v1/ping", ping),
+            web.post(FUSION_PATHS[0], run_code), web.get(FUSION_PATHS[1], ping)]
 
 
 async def _body(request) -> dict:

@@ -148,4 +148,46 @@ def document() -> dict:
                                          "responses": {"200": {"description": "OpenAPI"}}}},
             "/v1/healthz": {"get": {"summary": "the service answers", "security": [],
                                     "responses": {"200": {"description": "ok"}}}},
+            **_fusion_paths(),
         }}
+
+
+_DETAIL = {"type": "object", "required": ["detail"],
+           "properties": {"detail": {"type": ["string", "array"]}}}
+_RESULT = {"type": ["object", "null"], "properties": {
+    "status": {"enum": ["Finished", "TimeLimitExceeded", "Error"]},
+    "execution_time": {"type": ["number", "null"]}, "return_code": {"type": ["integer", "null"]},
+    "stdout": {"type": "string"}, "stderr": {"type": "string"}}}
+
+
+def _fusion_paths() -> dict:
+    """SandboxFusion's routes (service/fusion.py), in its own shapes."""
+    from sandman_ray.service.fusion import LANGUAGES
+    key = {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}}
+    detail = {"description": "refused", "content": {"application/json": {"schema": _DETAIL}}}
+    run = {"summary": "SandboxFusion's run_code: one program in a sandbox lent for it alone",
+           "requestBody": {"content": {"application/json": {"schema": {
+               "type": "object", "required": ["code", "language"], "properties": {
+                   "code": {"type": "string"}, "language": {"enum": sorted(LANGUAGES)},
+                   "compile_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                                       "maximum": 300},
+                   "run_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                                   "maximum": 300},
+                   "memory_limit_MB": {"type": ["integer", "null"]},
+                   "stdin": {"type": ["string", "null"]},
+                   "files": {"type": ["object", "null"],
+                             "additionalProperties": {"type": ["string", "null"]}},
+                   "fetch_files": {"type": ["array", "null"], "items": {"type": "string"},
+                                   "maxItems": 100}}}}}},
+           "responses": {"200": {"description": "the verdict", "content": {
+               "application/json": {"schema": {"type": "object", "properties": {
+                   "status": {"enum": ["Success", "Failed", "SandboxError"]},
+                   "message": {"type": "string"}, "compile_result": _RESULT,
+                   "run_result": _RESULT, "files": {"type": "object"}}}}}},
+               "401": detail, "413": detail, "422": detail, "429": detail}}
+    ping = {"summary": "SandboxFusion's ping", "responses": {
+        "200": {"description": "pong", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "401": detail}}
+    return {"/run_code": {"post": run}, "/v1/ping": {"get": ping},
+            "/fusion/{key}/run_code": {"post": dict(run, security=[], parameters=[key])},
+            "/fusion/{key}/v1/ping": {"get": dict(ping, security=[], parameters=[key])}}

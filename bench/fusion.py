@@ -1,0 +1,109 @@
+"""SandboxFusion's ``/run_code`` on the service beside the machine's limit, in one run.
+
+A python program that prints (``print("hello")``), posted to ``sandman serve``'s
+``/fusion/<key>/run_code`` (service/fusion.py: each request a sandbox of builtin:code
+lent for it alone, then reset) one at a time (p50) and 64 at once (requests a second),
+beside the same program run by a plain ``subprocess`` on the host, with no sandbox, at
+the same concurrency: what the machine can do at all. Issue 50's target: ``/run_code``
+at 64 at once >= 0.8x that limit.
+
+    python bench/fusion.py [--n 200] [--burst 640]     (or make bench: its service section)
+"""
+
+import argparse
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, List
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import pct, run_alone  # noqa: E402
+
+PROGRAM = 'print("hello")'
+AT_ONCE = 64
+
+
+def poster(endpoint: str) -> Callable[[], None]:
+    body = json.dumps({"code": PROGRAM, "language": "python", "run_timeout": 10}).encode()
+
+    def call() -> None:
+        request = urllib.request.Request(endpoint + "/run_code", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            verdict = json.loads(answer.read())
+        if verdict["status"] != "Success" or verdict["run_result"]["stdout"] != "hello\n":
+            raise RuntimeError("run_code: %r" % verdict)
+    return call
+
+
+def on_host() -> None:
+    ran = subprocess.run(["/usr/bin/python3", "-c", PROGRAM], capture_output=True,
+                         timeout=60)  # the interpreter the sandbox runs: Debian's
+    if ran.stdout != b"hello\n":
+        raise RuntimeError("python on the host: %r" % (ran,))
+
+
+def one_at_a_time(call: Callable[[], None], n: int) -> List[float]:
+    for _ in range(10):
+        call()
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def at_once(call: Callable[[], None], n: int) -> float:
+    """Requests a second, ``n`` of them ``AT_ONCE`` at a time."""
+    with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
+        list(pool.map(lambda _: call(), range(AT_ONCE)))  # threads and sandboxes warm
+        started = time.perf_counter()
+        list(pool.map(lambda _: call(), range(n)))
+        return n / (time.perf_counter() - started)
+
+
+def fusion(n: int = 200, burst: int = 640) -> dict:
+    """``n`` one at a time and ``burst`` 64 at once, each way, in turns."""
+    import service
+    with service.served({"builtin:code": AT_ONCE}, AT_ONCE + 4) as (pool, urls, keys):
+        service.wait_for(lambda: service.states(pool)["ready"] >= AT_ONCE,
+                         "%d warm sandboxes" % AT_ONCE)
+        ways = {"run_code": poster("%s/fusion/%s" % (urls["url"], keys[0])), "host": on_host}
+        single = {name: one_at_a_time(call, n) for name, call in ways.items()}
+        rates = {name: [] for name in ways}
+        for _ in range(2):
+            for name, call in ways.items():
+                rates[name].append(at_once(call, burst))
+    out = {name: {"p50_ms": pct(single[name], 0.5) * 1e3, "p99_ms": pct(single[name], 0.99) * 1e3,
+                  "per_s_at_64": max(rates[name]), "rounds_per_s": rates[name]}
+           for name in ways}
+    out["run_code_over_host_at_64"] = out["run_code"]["per_s_at_64"] / out["host"]["per_s_at_64"]
+    return out
+
+
+def rows(s: dict) -> List[tuple]:
+    rc, host = s["run_code"], s["host"]
+    return [("fusion", "/run_code python print, one at a time: p50 (host's)",
+             "%.1f ms" % rc["p50_ms"], "host subprocess %.1f ms" % host["p50_ms"]),
+            ("fusion", "/run_code at 64 at once: requests a second",
+             "%.0f /s" % rc["per_s_at_64"],
+             "%.2fx the host's %.0f /s (target >= 0.8x)" % (s["run_code_over_host_at_64"],
+                                                          host["per_s_at_64"]))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--burst", type=int, default=640)
+    args = parser.parse_args()
+    return run_alone(lambda: fusion(args.n, args.burst), rows, "fusion")
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""SandboxFusion's API on a real ``sandman serve`` (service/fusion.py): ``/run_code``
+driven by plain HTTP, by the ``sandbox-fusion`` client package and by verl's own reward
+functions (``verl.utils.reward_score.sandbox_fusion``), each pointed at the service by
+one URL. Every program runs in a sandbox of builtin:code lent for it alone; when they
+are done, no lease is left open."""
+
+import base64
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import leased, wait_until
+from test_service import serving
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def fusion(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("fusion"), "--fusion-image", "builtin:code",
+                 warm={"builtin:code": 4}) as service:
+        service["endpoint"] = "%s/fusion/%s" % (service["url"], service["alice"])
+        service["store"].set_tenant("alice", max_sandboxes=16)  # more requests wait for room
+        yield service
+
+
+def post(url: str, body, raw: bytes = None):
+    """(status, the answer's JSON) of a POST of ``body`` as JSON (or ``raw`` bytes)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def run(fusion, **body):
+    status, answer = post(fusion["endpoint"] + "/run_code", body)
+    assert status == 200, answer
+    return answer
+
+
+def test_each_language_compiles_runs_and_says_how_it_went(fusion):
+    for language, code in (("python", "import sys; print(sys.stdin.read().upper())"),
+                           ("bash", "read x; echo ${x^^}"),
+                           ("c", '#include <stdio.h>\nint main(){char s[64]; scanf("%63s", s);'
+                                 ' for(char*p=s;*p;p++) if(*p>=97) *p-=32; puts(s);}'),
+                           ("cpp", "#include <iostream>\n#include <algorithm>\nint main(){"
+                                   "std::string s; std::cin >> s; std::transform(s.begin(),"
+                                   " s.end(), s.begin(), ::toupper); std::cout << s << '\\n';}")):
+        answer = run(fusion, language=language, code=code, stdin="shout\n")
+        assert answer["status"] == "Success", (language, answer)
+        assert answer["run_result"]["stdout"].strip() == "SHOUT", (language, answer)
+        assert answer["run_result"]["return_code"] == 0
+        assert (answer["compile_result"] is not None) == (language in ("c", "cpp"))
+
+
+def test_failures_are_told_apart_as_sandbox_fusion_does(fusion):
+    broken = run(fusion, language="cpp", code="int main() { return }")
+    assert broken["status"] == "Failed" and broken["run_result"] is None
+    assert broken["compile_result"]["return_code"] != 0 and "error" in \
+        broken["compile_result"]["stderr"]
+    raised = run(fusion, language="python", code="raise SystemExit(3)")
+    assert raised["status"] == "Failed" and raised["run_result"]["return_code"] == 3
+    slow = run(fusion, language="python", code="import time; time.sleep(30)", run_timeout=1)
+    assert slow["status"] == "Failed"
+    assert slow["run_result"]["status"] == "TimeLimitExceeded"
+    assert 1 <= slow["run_result"]["execution_time"] < 10
+    greedy = run(fusion, language="python", code="x = bytearray(400 << 20); print('held')",
+                 memory_limit_MB=128)
+    assert greedy["status"] == "Failed" and "MemoryError" in greedy["run_result"]["stderr"]
+
+
+def test_files_go_in_and_come_back(fusion):
+    answer = run(fusion, language="bash", code="cat data/in.txt | rev > out.txt",
+                 files={"data/in.txt": base64.b64encode(b"olleh\n").decode()},
+                 fetch_files=["out.txt", "never-made.txt"])
+    assert answer["status"] == "Success", answer
+    assert answer["files"] == {"out.txt": base64.b64encode(b"hello\n").decode()}
+
+
+def test_a_program_never_sees_the_last_ones_files(fusion):
+    """Each request gets a sandbox lent for it alone and reset before it is lent again."""
+    for _ in range(6):  # more than the warm pool: some of the sandboxes are used twice
+        answer = run(fusion, language="bash",
+                     code="ls /tmp/fusion/left-behind 2>/dev/null; touch /tmp/fusion/left-behind")
+        assert answer["status"] == "Success" and answer["run_result"]["stdout"] == ""
+
+
+def test_refusals_have_sandbox_fusions_shape(fusion):
+    status, answer = post(fusion["endpoint"] + "/run_code", {"code": "1", "language": "cobol"})
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "language"]
+    status, answer = post(fusion["endpoint"] + "/run_code", {"language": "python"})
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "code"]
+    status, answer = post(fusion["endpoint"] + "/run_code", None, raw=b"{nope")
+    assert status == 422 and isinstance(answer["detail"], list)
+    status, answer = post(fusion["endpoint"] + "/run_code",
+                          {"code": "x" * (9 << 20), "language": "python"})
+    assert status == 413 and isinstance(answer["detail"], str)
+    status, answer = post("%s/fusion/%s/run_code" % (fusion["url"], "sk_sandman_" + "0" * 40),
+                          {"code": "print(1)", "language": "python"})
+    assert status == 401 and isinstance(answer["detail"], str)
+    with urllib.request.urlopen(fusion["endpoint"] + "/v1/ping", timeout=30) as answer:
+        assert answer.read() == b"pong"
+
+
+def test_the_sandbox_fusion_client_package_runs_code(fusion):
+    from sandbox_fusion import RunCodeRequest, RunStatus, run_code, set_endpoint
+    set_endpoint(fusion["endpoint"])
+    answer = run_code(RunCodeRequest(code="print(6 * 7)", language="python"))
+    assert answer.status == RunStatus.Success and answer.run_result.stdout == "42\n"
+
+
+def test_verls_reward_functions_score_through_sandman(fusion):
+    """verl's check_correctness and compute_score, unchanged, with the service's URL: a
+    right answer, a wrong one, a compile error, a runtime error and a timeout, told
+    apart as verl tells them (True, False, -4, -2, -3)."""
+    from verl.utils.reward_score.sandbox_fusion import compute_score
+    from verl.utils.reward_score.sandbox_fusion.utils import check_correctness
+    url = fusion["endpoint"] + "/run_code"
+    cases = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
+    right = "a, b = map(int, input().split()); print(a + b)"
+    assert check_correctness(url, cases, right, timeout=5)[0] == [True, True]
+    assert check_correctness(url, cases, right.replace("+", "*"), timeout=5)[0] == [False, False]
+    cpp = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    assert check_correctness(url, cpp, "int main( {", timeout=5, language="cpp")[0] == [-4]
+    assert check_correctness(url, cpp, "print(1/0)", timeout=5)[0] == [-2]
+    assert check_correctness(url, cpp, "while True: pass", timeout=1)[0] == [-3]
+    score, _ = compute_score(url, None, 1024, "```python\n%s\n```" % right, cases)
+    assert score == 1.0
+
+
+def test_a_grpo_batch_of_rewards_leaves_no_lease_open(fusion):
+    """64 rollouts scored at once (check_correctness of 8 test cases each, as a GRPO step
+    does): every verdict right, and when they are done, no lease is left open and the
+    pool lends nothing."""
+    from verl.utils.reward_score.sandbox_fusion.utils import check_correctness
+    from sandman_ray.remote import connect
+    url = fusion["endpoint"] + "/run_code"
+    cases = {"inputs": ["%d\n" % i for i in range(8)],
+             "outputs": ["%d\n" % (i * i) for i in range(8)]}
+    programs = ["n = int(input()); print(n * n)" if i % 2 else "n = int(input()); print(n + n)"
+                for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda p: check_correctness(url, cases, p, timeout=10)[0],
+                                programs))
+    for i, result in enumerate(results):
+        assert result == ([True] * 8 if i % 2 else [n * n == n + n for n in range(8)]), \
+            (i, result)
+    assert connect(fusion["url"], fusion["alice"]).leases() == []
+    wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)

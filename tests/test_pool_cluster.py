@@ -198,3 +198,43 @@ def test_the_service_serves_every_node_at_its_front_and_at_each_nodes_gateway(
         store.close()
     assert not [e for e in ray.util.list_named_actors(all_namespaces=True)
                 if e["name"].startswith(GATEWAY_PREFIX) and e["name"].endswith(pool)]
+
+
+def test_without_tls_the_service_keeps_its_leases_on_its_own_node(cluster, tmp_path):
+    """A service without TLS (and not told --insecure) places no lease on another node,
+    whose gateway would carry keys in the clear: one asked for there is refused by
+    name, and any other lands on the service's node."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from sandman_ray.remote import connect
+    from sandman_ray.service.tenants import KeyStore
+    pool = "svc-clear-" + uuid.uuid4().hex[:6]
+    sandman.create_pool(pool, provider=sandman.LocalProvider(
+        state_root="/tmp/sandman-ray-test/cluster-state", cache_root=CACHE))
+    store = KeyStore(tmp_path / "keys.db")
+    key = store.create_key("alice")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandman_ray.cli", "--address", cluster.address, "serve",
+         "--pool", pool, "--port", "0", "--data-port", "0", "--keys", str(tmp_path / "keys.db")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        urls = json.loads(proc.stdout.readline())
+        remote = connect(urls["url"], key)
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        placed = set()
+        for _ in range(4):
+            sb = remote.acquire("builtin:debian", timeout=180)
+            assert sb.lease["gateway_url"] == urls["data_url"]
+            placed.add(sb.node_id)
+            sb.release()
+        assert len(placed) == 1
+        (far,) = nodes - placed
+        with pytest.raises(ValueError, match="TLS"):
+            remote.acquire("builtin:debian", timeout=30, node=far)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        sandman.shutdown_pool(pool)
+        store.close()

@@ -175,6 +175,29 @@ def test_an_acquire_retried_with_its_request_id_gets_the_same_lease(service):
     connect(service["url"], service["bob"]).release(json.loads(other[2])["lease_id"])
 
 
+def test_an_acquire_whose_client_hangs_up_is_still_the_tenants(service):
+    """A client that hangs up while its acquire waits does not stop it: the lease is
+    the tenant's, listed and counted in its limits (carol may hold one: the next is a
+    429), and found again by a retry with its request id; released, it is gone."""
+    import socket
+    host, port = service["url"].rsplit("/", 1)[1].split(":")
+    body = json.dumps({"spec": {"image": "builtin:debian", "env": {"COLD": "1"}},
+                       "request_id": "hung-up"}).encode()  # not warm: a create
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (service["carol"].encode(), len(body), body))
+    carol = connect(service["url"], service["carol"])
+    wait_until(lambda: len(carol.leases()) == 1, timeout=60, what="the lease, served")
+    with pytest.raises(ServiceLimit):
+        carol.acquire("builtin:debian", timeout=5)
+    status, _, again = http_call(service, "POST", "/v1/leases", json.loads(body),
+                                 key=service["carol"])
+    assert status == 201 and json.loads(again)["lease_id"] == carol.leases()[0]["lease_id"]
+    carol.release(carol.leases()[0]["lease_id"])
+    assert carol.leases() == []
+
+
 CLIENT = r"""
 import sys
 from sandman_ray.remote import connect

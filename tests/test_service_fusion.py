@@ -82,6 +82,11 @@ def test_files_go_in_and_come_back(fusion):
                  fetch_files=["out.txt", "never-made.txt"])
     assert answer["status"] == "Success", answer
     assert answer["files"] == {"out.txt": base64.b64encode(b"hello\n").decode()}
+    # what is fetched is bounded in all (the service holds it to answer), a name once
+    big = run(fusion, language="bash", code="head -c 17M /dev/zero > big; echo hi > small",
+              fetch_files=["small", "big", "./big", "small"])
+    assert big["files"] == {"small": base64.b64encode(b"hi\n").decode()}
+    assert "at most" in big["message"]
 
 
 def test_a_program_never_sees_the_last_ones_files(fusion):

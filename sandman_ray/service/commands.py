@@ -31,7 +31,9 @@ def add_parsers(sub) -> None:
     serve.add_argument("--tls-cert")
     serve.add_argument("--tls-key")
     serve.add_argument("--insecure", action="store_true",
-                       help="listen beyond loopback without TLS (keys cross in the clear)")
+                       help="listen beyond loopback without TLS, and place leases on other "
+                            "nodes (whose gateways listen on their nodes' addresses) without "
+                            "it: keys cross in the clear")
     serve.add_argument("--keys", help="the key store (default: %s)" % default_path())
     serve.add_argument("--fusion-image", default="builtin:code",
                        help="the image SandboxFusion's /run_code runs programs in "
@@ -99,7 +101,7 @@ def cmd_serve(args) -> int:
     from sandman_ray.spec import parse_image
     parse_image(args.fusion_image)  # a bad reference is said now, by name
     _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls,
-                            args.slow_after, args.fusion_image)
+                            args.slow_after, args.fusion_image, args.insecure)
     print(json.dumps(dict(urls, pool=args.pool)), flush=True)
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -26,10 +26,11 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from sandman_ray.errors import DaemonError
+from sandman_ray.errors import DaemonError, ResultTooLarge
 
 REQUEST_MAX = 8 << 20  # bytes of a request's body
 OUTPUT_MAX = 4 << 20  # bytes of a run's stdout, and of its stderr, kept
+FETCH_MAX = 16 << 20  # bytes of fetch_files, all of them together
 TIMEOUT_MAX_S = 300.0
 WORKDIR = "/tmp/fusion"
 
@@ -186,11 +187,17 @@ async def run(client, request: Request, carried: set) -> dict:
         cwd=WORKDIR, timeout=request.run_timeout, max_output=OUTPUT_MAX,
         stdin=(request.stdin or "").encode())
     answer["run_result"] = _result(ran)
-    for name, path in request.fetch_files:
+    left = FETCH_MAX
+    for name, path in dict(request.fetch_files).items():  # each name once
         try:
-            data = await client.read_file(path)
+            data = await client.read_file(path, max_bytes=left)
         except DaemonError:  # a file the program did not leave is not fetched
             continue
+        except ResultTooLarge:
+            answer["message"] = "fetch_files: at most %d bytes in all; %s and after are " \
+                                "left out" % (FETCH_MAX, name)
+            break
+        left -= len(data)
         answer["files"][name] = base64.b64encode(data).decode()
     if ran.timed_out or ran.exit_code != 0:
         answer["status"] = "Failed"

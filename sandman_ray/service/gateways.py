@@ -55,9 +55,14 @@ def server_context_of(cert_pem: str, key_pem: str) -> ssl.SSLContext:
 
 def onward_context(cert_pem: str) -> ssl.SSLContext:
     """The front's TLS context for the hop to a node's gateway: it trusts the service's
-    own certificate and nothing else (the hop goes by node address, not by the name the
-    certificate was made for)."""
-    context = ssl.create_default_context(cadata=cert_pem)
+    own certificate, the first of its file, and nothing else (not the CA of a chain
+    after it, which would trust every certificate that CA signed; the hop goes by node
+    address, not by the name the certificate was made for)."""
+    end = "-----END CERTIFICATE-----"
+    if end not in cert_pem:
+        raise ValueError("the service's certificate file holds no PEM certificate")
+    leaf = cert_pem[cert_pem.index("-----BEGIN CERTIFICATE-----"):cert_pem.index(end) + len(end)]
+    context = ssl.create_default_context(cadata=leaf)
     context.check_hostname = False
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return context

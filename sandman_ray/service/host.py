@@ -44,7 +44,6 @@ SERVICE_PREFIX = HOST_PREFIX + "svc-"
 CLIENT_PREFIX = "svc:"  # the pool's client name of a tenant: svc:<tenant>
 SLOW_AFTER = 5  # failed keys from one address a minute before each more one is slowed
 FUSION_IMAGE = "builtin:code"  # SandboxFusion's requests run here (image_builders.py)
-FUSION_RETRY_S = 0.02  # a /run_code of a tenant at its limit asks again this often
 
 
 def snapshot_prefix(tenant: str) -> str:
@@ -62,13 +61,16 @@ class ServiceHost(_HandleHost):
     async def start(self, pool: str, keys_path: str, host: str, port: int,
                     data_port: int, tls: Optional[Tuple[str, str]] = None,
                     slow_after: int = SLOW_AFTER,
-                    fusion_image: str = FUSION_IMAGE) -> Dict[str, str]:
+                    fusion_image: str = FUSION_IMAGE, insecure: bool = False) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
         control plane's and the data plane's URLs, and the serving process's pid.
         ``slow_after``: failed keys from one address a minute before each more one is
-        slowed (0: never); ``fusion_image``: the image SandboxFusion's requests run in."""
+        slowed (0: never); ``fusion_image``: the image SandboxFusion's requests run in;
+        ``insecure``: leases may go to other nodes without TLS (their gateways' keys
+        cross the cluster's network in the clear), else only with it."""
         self.slow_after = slow_after
         self.fusion_image, self.fusion_carried = fusion_image, set()
+        self.spread = tls is not None or insecure  # leases on other nodes
         serve_at_normal_priority()
         from aiohttp import web
         from sandman_ray.service.http import app
@@ -84,6 +86,8 @@ class ServiceHost(_HandleHost):
         self.served: Dict[str, Tuple[str, object]] = {}  # lease id -> (tenant, Lease)
         self.per_tenant: Dict[str, int] = {}  # tenant -> leases served (not _HandleHost.held)
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
+        self.underway: Dict[str, asyncio.Future] = {}  # lease id -> its acquire
+        self.freed: Dict[str, asyncio.Event] = {}  # tenant -> set when a lease of it ends
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
         self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
@@ -197,8 +201,22 @@ class ServiceHost(_HandleHost):
                       keepalive_s: float, request_id: Optional[str],
                       node: Optional[str] = None) -> dict:
         """A lease for ``tenant``, on ``node`` (a node id) or wherever the pool finds
-        one (None)."""
+        one (None; on this node alone when the service has no TLS and was not told
+        ``insecure``: another node's gateway would carry keys in the clear)."""
+        if node is not None and node != self.node and not self.spread:
+            raise Refusal(400, "ValidationError", "a lease on another node needs the "
+                          "service's TLS (--tls-cert/--tls-key) or --insecure")
         self._allowed(tenant, spec)
+        if request_id is None:
+            lease_id = "L-" + secrets.token_hex(16)
+        else:  # the same request id of the same tenant: the same lease, never a second
+            lease_id = "L-" + hmac.new(self.secret, ("%s\0%s" % (tenant, request_id)).encode(),
+                                       hashlib.sha256).hexdigest()[:32]
+            served = self.served.get(lease_id)
+            if served is not None:  # (a tenant at its limit finds it too)
+                return self._described(lease_id, served[1])
+            if lease_id in self.underway:
+                return self._described(lease_id, await asyncio.shield(self.underway[lease_id]))
         limits = self.keys.tenant(tenant) or {}
         held = self.per_tenant.get(tenant, 0)
         most = limits.get("max_sandboxes")
@@ -213,29 +231,31 @@ class ServiceHost(_HandleHost):
             if not bucket.take():
                 raise Refusal(429, "TenantLimit", "tenant %s may acquire %g sandboxes a second"
                               % (tenant, rate), retry_after=bucket.wait_s())
-        if request_id is None:
-            lease_id = "L-" + secrets.token_hex(16)
-        else:  # the same request id of the same tenant: the same lease, never a second
-            lease_id = "L-" + hmac.new(self.secret, ("%s\0%s" % (tenant, request_id)).encode(),
-                                       hashlib.sha256).hexdigest()[:32]
-            served = self.served.get(lease_id)
-            if served is not None:
-                return self._described(lease_id, served[1])
+        request = pack_lease_request(spec, CLIENT_PREFIX + tenant, timeout_s, self.name,
+                                     self.node, lease_id,
+                                     node or (ANYWHERE if self.spread else self.node),
+                                     keepalive_s, limits.get("weight"))
+        underway = self.underway[lease_id] = asyncio.ensure_future(
+            self._lease(tenant, lease_id, request))
+        underway.add_done_callback(lambda _: self.underway.pop(lease_id, None))
+        # a client that hangs up does not stop it: its lease is served, counted in the
+        # tenant's limits, found by a retry with its request id, and otherwise ends
+        # with its keepalive
+        return self._described(lease_id, await asyncio.shield(underway))
+
+    async def _lease(self, tenant: str, lease_id: str, request: bytes):
         self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
         try:
-            packed = await self._tell_pool(self.pool, "lease", pack_lease_request(
-                spec, CLIENT_PREFIX + tenant, timeout_s, self.name, self.node, lease_id,
-                node or ANYWHERE, keepalive_s, limits.get("weight")))
+            lease = unpack_lease(await self._tell_pool(self.pool, "lease", request))
         finally:
             self.waiting[tenant] -= 1
-        lease = unpack_lease(packed)
         try:
             await self._gateway_of(lease.node_id)
-        except ProviderError:
+        except BaseException:
             await self.release(lease_id, self.pool)
             raise
         self._serve(tenant, lease_id, lease)
-        return self._described(lease_id, lease)
+        return lease
 
     def _allowed(self, tenant: str, spec: SandboxSpec) -> None:
         """What a tenant may not ask of the node: the host's files, another tenant's
@@ -351,16 +371,23 @@ class ServiceHost(_HandleHost):
         from sandman_ray.client.aio import AsyncDaemonClient
         from sandman_ray.service import fusion
         spec = SandboxSpec(image=self.fusion_image)
-        deadline = time.monotonic() + request.compile_timeout + request.run_timeout
+        budget = request.compile_timeout + request.run_timeout
+        deadline = time.monotonic() + budget
         while True:
             try:
                 lease = await self.acquire(tenant, spec, max(1.0, deadline - time.monotonic()),
-                                           30.0, None, self.node)
+                                           budget + 60.0, None, self.node)
                 break
-            except Refusal as no:  # at its limit: asked again as soon as one may be done
-                if no.status != 429 or time.monotonic() + FUSION_RETRY_S > deadline:
+            except Refusal as no:  # at its limit: asked again when one of its leases ends
+                left = deadline - time.monotonic()
+                if no.status != 429 or left <= 0:
                     raise
-                await asyncio.sleep(FUSION_RETRY_S)
+                freed = self.freed.setdefault(tenant, asyncio.Event())
+                freed.clear()
+                try:  # (at least once a second: a limit may be raised meanwhile)
+                    await asyncio.wait_for(freed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
         lease_id = lease["lease_id"]
         try:
             if lease_id not in self.served:
@@ -400,6 +427,8 @@ class ServiceHost(_HandleHost):
                 self.ended_for.clear()
             self.ended_for[lease_id] = served[0]
             self.gateway.cut(lease_id)
+            if served[0] in self.freed:
+                self.freed[served[0]].set()
             if served[1].node_id in self.gateways:
                 self.gateways[served[1].node_id][0].cut.remote(lease_id)
         return super()._take(lease_id, reason)
@@ -411,8 +440,8 @@ RemoteServiceHost = ray.remote(num_cpus=0, max_restarts=0,
 
 def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int = 0,
                   data_port: int = 0, tls: Optional[Tuple[str, str]] = None,
-                  slow_after: int = SLOW_AFTER,
-                  fusion_image: str = FUSION_IMAGE) -> Tuple[object, Dict[str, str]]:
+                  slow_after: int = SLOW_AFTER, fusion_image: str = FUSION_IMAGE,
+                  insecure: bool = False) -> Tuple[object, Dict[str, str]]:
     """The service of ``pool`` on this node, started (detached: it outlives the
     process that started it, until ``stop_service``); (its actor, its URLs)."""
     actor = RemoteServiceHost.options(
@@ -421,7 +450,7 @@ def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int 
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
     try:
         urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls,
-                                          slow_after, fusion_image))
+                                          slow_after, fusion_image, insecure))
     except BaseException:
         ray.kill(actor)
         raise

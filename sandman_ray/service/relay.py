@@ -109,7 +109,8 @@ class Gateway:
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0,
                     ssl=None) -> asyncio.AbstractServer:
-        return await asyncio.start_server(self.handle, host, port, limit=HEAD_MAX, ssl=ssl)
+        return await asyncio.start_server(self.handle, host, port, limit=HEAD_MAX, ssl=ssl,
+                                          ssl_handshake_timeout=HEAD_TIMEOUT_S if ssl else None)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection: its upgrade, then its relay until either side ends."""
@@ -264,7 +265,9 @@ async def open_onward(url: str, lease_id: str, key: str, context=None):
             length = re.search(rb"(?i)content-length: *(\d+)", head)
             body = await asyncio.wait_for(reader.readexactly(
                 min(int(length.group(1)), HEAD_MAX)), DAEMON_TIMEOUT_S) if length else b"{}"
-            error = json.loads(body).get("error", {})
+            error = json.loads(body)
+            error = error.get("error") if isinstance(error, dict) else None
+            error = error if isinstance(error, dict) else {}
             writer.close()
             raise Refused(status if status in _REASONS else 502,
                           str(error.get("type", "GatewayError")),

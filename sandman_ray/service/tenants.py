@@ -145,7 +145,7 @@ class KeyStore:
     def verify(self, key) -> Optional[str]:
         """The tenant whose live key ``key`` is, or None (malformed, unknown, wrong or
         revoked: the same None, in about the same time)."""
-        found = _KEY.match(key) if isinstance(key, str) else None
+        found = _KEY.fullmatch(key) if isinstance(key, str) else None
         key_id, secret = found.groups() if found else ("", "")
         with self.lock:
             row = self.db.execute("SELECT tenant, digest, revoked FROM keys WHERE key_id = ?",
@@ -157,7 +157,7 @@ class KeyStore:
     def revoke(self, key_id: str) -> bool:
         """Revoke the key of id ``key_id`` (or the whole key); False if there is none
         live."""
-        found = _KEY.match(key_id) if isinstance(key_id, str) else None
+        found = _KEY.fullmatch(key_id) if isinstance(key_id, str) else None
         key_id = found.group(1) if found else key_id
         with self.lock:
             done = self.db.execute("UPDATE keys SET revoked = ? WHERE key_id = ? AND "

@@ -199,3 +199,21 @@ def test_one_address_holds_at_most_its_pending_connections_and_a_lease_its_relay
     finally:
         for client in relays:
             client.close()
+    # at once, too: a relay's slot is taken before its daemon is reached
+    import concurrent.futures
+
+    def attempt():
+        try:
+            return connect_lease(world["url"], world["alice"], "L-alice")
+        except ServiceLimit:
+            return None
+    wait_until(lambda: connect_lease(world["url"], world["alice"], "L-alice").close() is None,
+               timeout=10, what="the closed relays to be gone")
+    with concurrent.futures.ThreadPoolExecutor(RELAYS_PER_LEASE + 16) as pool:
+        made = list(pool.map(lambda _: attempt(), range(RELAYS_PER_LEASE + 16)))
+    try:
+        assert sum(client is not None for client in made) == RELAYS_PER_LEASE
+    finally:
+        for client in made:
+            if client is not None:
+                client.close()

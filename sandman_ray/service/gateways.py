@@ -26,6 +26,7 @@ import ray
 from sandman_ray import touches
 from sandman_ray.pool.cluster import NAMESPACE
 from sandman_ray.service.relay import Gateway, Held, Refused
+from sandman_ray.service.tenants import of_a_key_form
 
 GATEWAY_PREFIX = "sandman-gw-"
 
@@ -105,6 +106,8 @@ class NodeGateway:
                                "[%s]" % host if ":" in host else host, port)
 
     async def _admit(self, key: Optional[str], lease_id: str) -> Held:
+        if not of_a_key_form(key):  # refused here: not a call to the service for each
+            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
         if self.service is None:
             self.service = ray.get_actor(self.service_name, namespace=NAMESPACE)
         try:

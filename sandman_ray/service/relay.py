@@ -128,21 +128,28 @@ class Gateway:
                 self.pending[address] -= 1
                 if not self.pending[address]:
                     del self.pending[address]
-            if len(self.relays.get(lease_id, ())) >= RELAYS_PER_LEASE:
+            relays = self.relays.setdefault(lease_id, set())
+            if len(relays) >= RELAYS_PER_LEASE:
                 raise Refused(429, "TooManyConnections", "lease %s has %d connections, its "
                               "most" % (lease_id, RELAYS_PER_LEASE))
-            if held.onward is not None:
-                daemon = await open_onward(held.onward, lease_id, key, self.onward_ssl)
-            else:
-                daemon = await open_daemon(held.address, held.token)
+            relays.add(writer)  # its slot, taken before the daemon is reached
+            try:
+                if held.onward is not None:
+                    daemon = await open_onward(held.onward, lease_id, key, self.onward_ssl)
+                else:
+                    daemon = await open_daemon(held.address, held.token)
+                if writer not in self.relays.get(lease_id, ()):  # cut meanwhile: it ended
+                    raise Refused(410, "LeaseEnded", "lease %s ended" % lease_id)
+            except BaseException:
+                self._forget(lease_id, writer)
+                raise
             writer.write(("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                           "Upgrade: %s\r\n\r\n" % UPGRADE).encode())
-            self.relays.setdefault(lease_id, set()).add(writer)
             try:
                 await relay(reader, writer, *daemon,
                             used=(lambda: self.used(lease_id)) if self.used else None)
             finally:
-                self.relays.get(lease_id, set()).discard(writer)
+                self._forget(lease_id, writer)
         except Refused as no:
             body = json.dumps({"error": {"type": no.kind, "message": no.message}}).encode()
             writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
@@ -171,6 +178,13 @@ class Gateway:
             raise Refused(426, "UpgradeRequired", "connect upgrades to %s" % UPGRADE)
         lease_id = found.group(1)
         return lease_id, key, await self.admit(key, lease_id)
+
+    def _forget(self, lease_id: str, writer) -> None:
+        relays = self.relays.get(lease_id)
+        if relays is not None:
+            relays.discard(writer)
+            if not relays:
+                del self.relays[lease_id]
 
     def cut(self, lease_id: str) -> int:
         """Close the relays of ``lease_id`` (its lease ended); how many there were."""

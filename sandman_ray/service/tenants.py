@@ -32,6 +32,12 @@ _KEY = re.compile(r"^sk_sandman_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 _TENANT = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _NOTHING = hashlib.sha256(b"").digest()  # compared against when an id is unknown
 
+
+def of_a_key_form(text: Optional[str]) -> bool:
+    """Whether ``text`` has the form of an API key (it may still be no live one)."""
+    return isinstance(text, str) and _KEY.fullmatch(text) is not None
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY, weight REAL NOT NULL DEFAULT 1.0,

@@ -93,7 +93,8 @@ NOFILE_SOFT = 1024
 
 # Images the LocalProvider builds itself from Debian's packages, on first use on each
 # node, and caches (sandman_ray.image_builders): ``builtin:debian`` is Debian 12 minbase
-# with python3, the default image of every spec.
+# with python3, the default image of every spec; ``builtin:code`` adds C and C++
+# compilers, for SandboxFusion's programs (service/fusion.py).
 BUILTIN_IMAGES = ("debian", "code")
 DEFAULT_IMAGE = "builtin:debian"
 # ``acquire(node=ANYWHERE)``: wherever the provider places the sandbox, not on the

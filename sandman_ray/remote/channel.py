@@ -15,7 +15,7 @@ from sandman_ray.errors import (
     AcquireTimeout, AuthError, ConnectionLost, LeaseEnded, LeaseNotHeld, ProtocolError,
     ProviderError, SandboxLost, ServiceLimit)
 
-UPGRADE = "sandman-daemon/2"  # as service/relay.py answers it
+UPGRADE = "sandman-daemon/2"  # the protocol a connect upgrades to (service/relay.py)
 _HEAD_MAX = 8192
 
 
@@ -37,7 +37,7 @@ def connect_lease(url: str, api_key: str, lease_id: str, *, timeout: float = 10.
         if parts.scheme == "https":
             sock = (context or ssl.create_default_context()).wrap_socket(
                 sock, server_hostname=parts.hostname)
-        sock.sendall(_upgrade_request(parts, api_key, lease_id))
+        sock.sendall(upgrade_request(parts, api_key, lease_id))
         status, body = _answer(sock)
         if status != 101:
             raise service_error(status, body)
@@ -67,7 +67,7 @@ async def connect_lease_async(url: str, api_key: str, lease_id: str, *,
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.write(_upgrade_request(parts, api_key, lease_id))
+        transport.write(upgrade_request(parts, api_key, lease_id))
         try:
             status, body = await asyncio.wait_for(upgrade.answer, timeout)
         except asyncio.TimeoutError:
@@ -95,7 +95,7 @@ class _Upgrade(asyncio.Protocol):
             return
         self.data += data
         try:
-            parsed = _parse_answer(self.data, final=False)
+            parsed = parse_answer(self.data, final=False)
         except ProtocolError as exc:
             self.answer.set_exception(exc)
             return
@@ -109,7 +109,7 @@ class _Upgrade(asyncio.Protocol):
         if self.answer.done():
             return
         try:
-            parsed = _parse_answer(self.data, final=True)
+            parsed = parse_answer(self.data, final=True)
         except ProtocolError as error:
             self.answer.set_exception(error)
             return
@@ -120,7 +120,7 @@ class _Upgrade(asyncio.Protocol):
             self.answer.set_result(parsed)
 
 
-def _upgrade_request(parts, api_key: str, lease_id: str) -> bytes:
+def upgrade_request(parts, api_key: str, lease_id: str) -> bytes:
     return ("GET /v1/leases/%s/connect HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
             "Connection: Upgrade\r\nUpgrade: %s\r\n\r\n"
             % (lease_id, parts.netloc, api_key, UPGRADE)).encode()
@@ -142,19 +142,19 @@ def _answer(sock) -> tuple:
     JSON body else."""
     data = b""
     while True:
-        parsed = _parse_answer(data, final=False)
+        parsed = parse_answer(data, final=False)
         if parsed is not None:
             return parsed
         more = sock.recv(1 if b"\r\n\r\n" not in data and len(data) < 12 else _HEAD_MAX)
         if not more:
-            parsed = _parse_answer(data, final=True)
+            parsed = parse_answer(data, final=True)
             if parsed is None:
                 raise ConnectionLost("the service closed the connection before answering")
             return parsed
         data += more
 
 
-def _parse_answer(data: bytes, final: bool) -> Optional[tuple]:
+def parse_answer(data: bytes, final: bool) -> Optional[tuple]:
     """(status, body) of an answer whose bytes so far are ``data``; None while more
     must come (``final``: none will: the body is what came)."""
     if b"\r\n\r\n" not in data:

@@ -158,35 +158,40 @@ def _command(argv: Tuple[str, ...], memory_mb: int) -> str:
     return "ulimit -v %d && exec %s" % (memory_mb * 1024, " ".join(map(shlex.quote, argv)))
 
 
+def answer(status: str = "Success", message: str = "") -> dict:
+    """An answer with nothing run yet (SandboxError: nothing will be)."""
+    return {"status": status, "message": message, "compile_result": None,
+            "run_result": None, "executor_pod_name": None, "files": {}}
+
+
 async def run(client, request: Request, carried: set) -> dict:
     """Run ``request`` in the sandbox of ``client`` (an AsyncDaemonClient of a sandbox
     lent for it alone): the answer SandboxFusion gives. ``carried``: the languages
     whose tool the image was seen to carry (asked once, then added)."""
     language = LANGUAGES[request.language]
-    answer = {"status": "Success", "message": "", "compile_result": None,
-              "run_result": None, "executor_pod_name": None, "files": {}}
     if request.language not in carried:
         found = await client.exec(["sh", "-c", "command -v %s" % shlex.quote(language.tool)])
         if found.exit_code != 0:
-            return dict(answer, status="SandboxError",
-                        message="language %s: this sandbox's image has no %s"
-                                % (request.language, language.tool))
+            return answer("SandboxError", "language %s: this sandbox's image has no %s"
+                          % (request.language, language.tool))
         carried.add(request.language)
+    out = answer()
     for path, content in request.files.items():  # their directories made as they go
         await client.write_file(path, content)
     await client.write_file(posixpath.join(WORKDIR, language.source), request.code.encode())
     if language.compile is not None:
         compiled = await client.exec(list(language.compile), cwd=WORKDIR,
                                      timeout=request.compile_timeout, max_output=OUTPUT_MAX)
-        answer["compile_result"] = _result(compiled)
+        out["compile_result"] = _result(compiled)
         if compiled.timed_out or compiled.exit_code != 0:
-            return dict(answer, status="Failed")
+            out["status"] = "Failed"
+            return out
     memory = request.memory_limit_mb if language.limit_memory else -1
     ran = await client.exec(
         ["sh", "-c", _command(language.run, memory)] if memory > 0 else list(language.run),
         cwd=WORKDIR, timeout=request.run_timeout, max_output=OUTPUT_MAX,
         stdin=(request.stdin or "").encode())
-    answer["run_result"] = _result(ran)
+    out["run_result"] = _result(ran)
     left = FETCH_MAX
     for name, path in dict(request.fetch_files).items():  # each name once
         try:
@@ -194,11 +199,11 @@ async def run(client, request: Request, carried: set) -> dict:
         except DaemonError:  # a file the program did not leave is not fetched
             continue
         except ResultTooLarge:
-            answer["message"] = "fetch_files: at most %d bytes in all; %s and after are " \
-                                "left out" % (FETCH_MAX, name)
+            out["message"] = "fetch_files: at most %d bytes in all; %s and after are " \
+                             "left out" % (FETCH_MAX, name)
             break
         left -= len(data)
-        answer["files"][name] = base64.b64encode(data).decode()
+        out["files"][name] = base64.b64encode(data).decode()
     if ran.timed_out or ran.exit_code != 0:
-        answer["status"] = "Failed"
-    return answer
+        out["status"] = "Failed"
+    return out

@@ -24,8 +24,9 @@ from typing import Optional, Tuple
 import ray
 
 from sandman_ray import touches
+from sandman_ray.lookup import get_pool
 from sandman_ray.pool.cluster import NAMESPACE
-from sandman_ray.service.relay import Gateway, Held, Refused
+from sandman_ray.service.relay import Gateway, Held, Refused, unauthorized
 from sandman_ray.service.tenants import of_a_key_form
 
 GATEWAY_PREFIX = "sandman-gw-"
@@ -96,6 +97,7 @@ class NodeGateway:
         actor name, asked about each upgrade."""
         self.pool, self.service_name = pool, service
         self.service = self.pool_actor = None
+        self.node = ray.get_runtime_context().get_node_id()
         serve_at_normal_priority()
         host = ray.util.get_node_ip_address()
         context = server_context_of(*tls_pem) if tls_pem else None
@@ -107,12 +109,11 @@ class NodeGateway:
 
     async def _admit(self, key: Optional[str], lease_id: str) -> Held:
         if not of_a_key_form(key):  # refused here: not a call to the service for each
-            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+            raise unauthorized()
         if self.service is None:
             self.service = ray.get_actor(self.service_name, namespace=NAMESPACE)
         try:
-            answer = await self.service.admit.remote(key, lease_id,
-                                                     ray.get_runtime_context().get_node_id())
+            answer = await self.service.admit.remote(key, lease_id, self.node)
         except ray.exceptions.RayActorError:
             self.service = None
             raise Refused(502, "ServiceLost", "the service does not answer") from None
@@ -121,9 +122,9 @@ class NodeGateway:
         return Held(*answer)
 
     def _used(self, lease_id: str) -> None:
+        """A relayed call (each of a client's reads: the handle is looked up once)."""
         if self.pool_actor is None:
-            from sandman_ray.pool.actor import pool_actor_name
-            self.pool_actor = ray.get_actor(pool_actor_name(self.pool), namespace=NAMESPACE)
+            self.pool_actor = get_pool(self.pool)
         touches.note(self.pool_actor, lease_id, self.service_name)
 
     def cut(self, lease_id: str) -> int:

@@ -132,13 +132,18 @@ class ServiceHost(_HandleHost):
         stop_gateways(self.pool)
         return len(ids)
 
-    async def _gateway_of(self, node_id: str) -> str:
+    def _gateway_url(self, node_id: str) -> Optional[str]:
         """The URL of the gateway that serves leases on ``node_id``: this process's
-        own on its node, else that node's, started at its first lease."""
+        own on its node, else that node's (None: it has none)."""
         if node_id == self.node:
             return self.urls["data_url"]
-        if node_id in self.gateways:
-            return self.gateways[node_id][1]
+        return self.gateways[node_id][1] if node_id in self.gateways else None
+
+    async def _gateway_of(self, node_id: str) -> str:
+        """``_gateway_url``, the gateway started at the node's first lease."""
+        url = self._gateway_url(node_id)
+        if url is not None:
+            return url
         start = self.gateway_starts.get(node_id)
         if start is None:  # one start however many acquires land there at once
             start = self.gateway_starts[node_id] = asyncio.ensure_future(
@@ -171,11 +176,12 @@ class ServiceHost(_HandleHost):
         if served is None:
             return None
         tenant, lease = served
-        if lease.node_id != self.node:  # one hop more: its node's gateway
-            if lease.node_id not in self.gateways:
-                raise Refused(502, "GatewayLost", "its node's gateway is gone")
-            return Held(tenant, "", "", self.gateways[lease.node_id][1])
-        return Held(tenant, lease.address, lease.token)
+        if lease.node_id == self.node:
+            return Held(tenant, lease.address, lease.token)
+        onward = self._gateway_url(lease.node_id)  # one hop more: its node's gateway
+        if onward is None:
+            raise Refused(502, "GatewayLost", "its node's gateway is gone")
+        return Held(tenant, "", "", onward)
 
     async def admit(self, key: Optional[str], lease_id: str, node_id: str) -> list:
         """A node's gateway asks about an upgrade for ``lease_id`` with ``key``: the
@@ -278,8 +284,7 @@ class ServiceHost(_HandleHost):
         return {"lease_id": lease_id, "sandbox_id": lease.sandbox_id, "node_id": lease.node_id,
                 "pool": lease.pool, "keepalive_s": lease.keepalive_s,
                 "leased_at": lease.leased_wall, "data_url": self.urls["data_url"],
-                "gateway_url": (self.urls["data_url"] if lease.node_id == self.node
-                                else self.gateways.get(lease.node_id, (None, None))[1]),
+                "gateway_url": self._gateway_url(lease.node_id),
                 "connect": "/v1/leases/%s/connect" % lease_id}
 
     def _mine(self, tenant: str, lease_id: str):
@@ -399,9 +404,7 @@ class ServiceHost(_HandleHost):
             finally:
                 client.close()
         except SandmanError as exc:
-            return {"status": "SandboxError", "message": "%s: %s" % (type(exc).__name__, exc),
-                    "compile_result": None, "run_result": None, "executor_pod_name": None,
-                    "files": {}}
+            return fusion.answer("SandboxError", "%s: %s" % (type(exc).__name__, exc))
         finally:
             await self.release(lease_id, self.pool)
 

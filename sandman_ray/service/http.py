@@ -75,7 +75,7 @@ def app(core, verify) -> web.Application:
         except web.HTTPException as exc:  # aiohttp's own: 404 of a route, 405, 413
             if exc.status < 400:
                 raise
-            if request.path in FUSION_PATHS or request.path.startswith("/fusion/"):
+            if fusion_path(request.path):
                 answer = web.json_response({"detail": exc.reason}, status=exc.status)
             else:
                 answer = error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
@@ -102,8 +102,7 @@ def app(core, verify) -> web.Application:
 
     @web.middleware
     async def auth(request, handler):
-        if request.path in ("/v1/openapi.json", "/v1/healthz") or \
-                request.path in FUSION_PATHS or request.path.startswith("/fusion/"):
+        if request.path in ("/v1/openapi.json", "/v1/healthz") or fusion_path(request.path):
             return await handler(request)  # no key, or SandboxFusion's routes (their shape)
         header = request.headers.get("Authorization", "")
         tenant = verify(header[len("Bearer "):]) if header.startswith("Bearer ") else None
@@ -208,6 +207,11 @@ def app(core, verify) -> web.Application:
 FUSION_PATHS = ("/run_code", "/v1/ping")  # SandboxFusion's, with Authorization: Bearer
 
 
+def fusion_path(path: str) -> bool:
+    """Whether ``path`` is one of SandboxFusion's routes (its own shapes, its own keys)."""
+    return path in FUSION_PATHS or path.startswith("/fusion/")
+
+
 def fusion_routes(core, verify) -> list:
     """SandboxFusion's routes (service/fusion.py): ``/fusion/<API key>/run_code`` and
     ``/fusion/<API key>/v1/ping`` for clients that send no headers of their own, and
@@ -253,9 +257,8 @@ def fusion_routes(core, verify) -> list:
         except Refusal as no:
             return refused(no.status, no.message)
         except SandmanError as exc:  # no sandbox for it: the pool's word
-            return web.json_response({"status": "SandboxError", "message": "%s: %s" % (
-                type(exc).__name__, exc), "compile_result": None, "run_result": None,
-                "executor_pod_name": None, "files": {}})
+            return web.json_response(fusion.answer("SandboxError", "%s: %s" % (
+                type(exc).__name__, exc)))
 
     return [web.post("/fusion/{key}/run_code", run_code), web.get("/fusion/{key}/v1/ping", ping),
             web.post(FUSION_PATHS[0], run_code), web.get(FUSION_PATHS[1], ping)]

@@ -33,8 +33,9 @@ from typing import Awaitable, Callable, Dict, Optional, Tuple
 
 from sandman_ray.client.connection import _SocketPath, _hello_fields, _parse_address
 from sandman_ray.daemon.sandmand.wire import MAX_FRAME, FrameReader, encode_frame, unpack
+from sandman_ray.errors import ProtocolError
+from sandman_ray.remote.channel import UPGRADE, parse_answer, service_url, upgrade_request
 
-UPGRADE = "sandman-daemon/2"
 HEAD_MAX = 8192
 HEAD_TIMEOUT_S = 10.0
 DAEMON_TIMEOUT_S = 10.0
@@ -51,6 +52,11 @@ class Refused(Exception):
     def __init__(self, status: int, kind: str, message: str):
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+
+
+def unauthorized() -> Refused:
+    """The refusal of an upgrade without a live API key."""
+    return Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
 
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
@@ -83,7 +89,7 @@ def admitting(verify: Callable[[str], Optional[str]],
     async def admit(key: Optional[str], lease_id: str) -> Held:
         tenant = verify(key) if key is not None else None
         if tenant is None:
-            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+            raise unauthorized()
         held = find(lease_id)
         if held is None or held.tenant != tenant:
             raise Refused(404, "LeaseNotFound", "no lease %s" % lease_id)
@@ -172,7 +178,7 @@ class Gateway:
         auth = headers.get("authorization", "")
         key = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
         if key is None:
-            raise Refused(401, "Unauthorized", "no valid API key (Authorization: Bearer ...)")
+            raise unauthorized()
         if headers.get("upgrade", "").lower() != UPGRADE or \
                 "upgrade" not in headers.get("connection", "").lower():
             raise Refused(426, "UpgradeRequired", "connect upgrades to %s" % UPGRADE)
@@ -256,37 +262,36 @@ async def open_daemon(address: str, token: str):
 
 async def open_onward(url: str, lease_id: str, key: str, context=None):
     """(reader, writer) of a connection to the gateway at ``url`` upgraded for
-    ``lease_id`` with ``key``: its daemon's connection after the hello, one hop
-    further. The gateway's refusal is passed on as it was; Refused(502) when it does
-    not answer."""
-    scheme, _, where = url.partition("://")
-    host, _, port = where.rpartition(":")
+    ``lease_id`` with ``key``, as a client upgrades one (remote/channel.py): its
+    daemon's connection after the hello, one hop further. The gateway's refusal is
+    passed on as it was; Refused(502) when it does not answer."""
+    parts = service_url(url)
+    secure = context if parts.scheme == "https" else None
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(
-            host.strip("[]"), int(port), limit=CHUNK,
-            ssl=context if scheme == "https" else None,
-            server_hostname=None if scheme != "https" else host.strip("[]")), DAEMON_TIMEOUT_S)
+            parts.hostname, parts.port, limit=CHUNK, ssl=secure,
+            server_hostname=parts.hostname if secure else None), DAEMON_TIMEOUT_S)
     except (OSError, ValueError, asyncio.TimeoutError) as exc:
         raise Refused(502, "GatewayLost", "the gateway of its node does not answer: %s"
                       % exc) from None
     try:
-        writer.write(("GET /v1/leases/%s/connect HTTP/1.1\r\nHost: %s\r\nAuthorization: "
-                      "Bearer %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n"
-                      % (lease_id, where, key, UPGRADE)).encode())
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DAEMON_TIMEOUT_S)
-        status = int(head.split(b" ", 2)[1])
+        writer.write(upgrade_request(parts, key, lease_id))
+        data = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DAEMON_TIMEOUT_S)
+        answer = parse_answer(data, final=False)
+        while answer is None:  # a refusal's body, still coming
+            more = await asyncio.wait_for(reader.read(CHUNK), DAEMON_TIMEOUT_S)
+            data += more
+            answer = parse_answer(data, final=not more)
+        status, body = answer
         if status != 101:
-            length = re.search(rb"(?i)content-length: *(\d+)", head)
-            body = await asyncio.wait_for(reader.readexactly(
-                min(int(length.group(1)), HEAD_MAX)), DAEMON_TIMEOUT_S) if length else b"{}"
-            error = json.loads(body)
+            error = json.loads(body or b"{}")
             error = error.get("error") if isinstance(error, dict) else None
             error = error if isinstance(error, dict) else {}
             writer.close()
             raise Refused(status if status in _REASONS else 502,
                           str(error.get("type", "GatewayError")),
                           str(error.get("message", "its node's gateway answered %d" % status)))
-    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError,
+    except (OSError, ValueError, ProtocolError, asyncio.IncompleteReadError,
             asyncio.LimitOverrunError, asyncio.TimeoutError) as exc:
         writer.close()
         raise Refused(502, "GatewayLost", "the gateway of its node does not answer: %s"

@@ -204,6 +204,8 @@ class SandboxSpec:
         if self.pids is not None and (isinstance(self.pids, bool) or not isinstance(self.pids, int)
                                       or self.pids < 1):
             raise ValueError("SandboxSpec.pids must be a positive int, got %r" % (self.pids,))
+        if not isinstance(self.env, dict):
+            raise ValueError("SandboxSpec.env must map names to strings, got %r" % (self.env,))
         for key, value in self.env.items():
             if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
                 raise ValueError("SandboxSpec.env must map names to strings, got %r=%r" % (key, value))

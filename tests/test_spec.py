@@ -13,6 +13,7 @@ from sandman_ray.spec import PoolConfig, SandboxSpec, check_pool_name, parse_byt
     ({"memory": "lots"}, "memory must be bytes or a size"),
     ({"pids": 0}, "pids must be a positive int"),
     ({"env": {"A=B": "x"}}, "env must map names to strings"),
+    ({"env": 5}, "env must map names to strings"),  # not a mapping at all: no AttributeError
     ({"workdir": "tmp"}, "workdir must be absolute"),
     ({"user": "root"}, "user must be 'uid' or 'uid:gid'"),
     ({"ttl_s": -1}, "ttl_s must be positive"),

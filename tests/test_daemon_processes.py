@@ -66,3 +66,59 @@ def test_unknown_pid_and_bad_signal_are_errors(client):
         client.proc_signal(pid, "NOPE")
     with pytest.raises(DaemonError, match="'stream' must be"):
         client.proc_output(pid, "stdin")
+
+
+def test_follow_streams_output_as_it_comes_then_the_exit(daemon, client):
+    pid = client.spawn("echo one; echo two >&2; read line; echo got:$line; exit 4",
+                       stdin_open=True)
+    stream = client.proc_follow(pid)
+    first = next(iter(stream))
+    assert first in (("stdout", b"one\n"), ("stderr", b"two\n"))  # before it exits
+    with daemon.client() as other:  # (this connection is the stream's until it ends)
+        assert other.proc_status(pid).running
+        assert other.proc_stdin(pid, b"hello\n") == 6
+    chunks = [first] + list(stream)
+    assert chunks[-1] is stream.result  # the chunks, then the status
+    out = b"".join(d for s, d in chunks[:-1] if s == "stdout")
+    err = b"".join(d for s, d in chunks[:-1] if s == "stderr")
+    assert out == b"one\ngot:hello\n" and err == b"two\n"
+    result = stream.result
+    assert result["exit_code"] == 4 and result["dropped"] == 0
+    assert result["stdout_cursor"] == len(out) and result["stderr_cursor"] == len(err)
+    # following again from the cursors: nothing more, the status at once
+    again = client.proc_follow(pid, result["stdout_cursor"], result["stderr_cursor"])
+    assert list(again) == [again.result] and again.result["exit_code"] == 4
+
+
+def test_an_open_stdin_is_read_until_it_is_closed(client):
+    pid = client.spawn("wc -c", stdin_open=True)
+    for _ in range(3):
+        client.proc_stdin(pid, b"x" * 50000)  # more than a pipe holds, written in turn
+    assert client.proc_status(pid).running
+    client.proc_stdin(pid, close=True)
+    assert client.proc_wait(pid, timeout=10).exit_code == 0
+    assert client.proc_output(pid).data.strip() == b"150000"
+    with pytest.raises(DaemonError, match="no open stdin"):
+        client.proc_stdin(pid, b"late")
+
+
+def test_stdin_is_refused_where_it_is_not_open_or_asked_twice(client):
+    pid = client.spawn("sleep 30")
+    with pytest.raises(DaemonError, match="no open stdin"):
+        client.proc_stdin(pid, b"x")
+    client.proc_signal(pid, "KILL")
+    with pytest.raises(DaemonError, match="exclude each other"):
+        client.spawn("cat", stdin=b"x", stdin_open=True)
+
+
+def test_closing_a_follow_leaves_the_process_running(daemon):
+    with daemon.client() as client:
+        pid = client.spawn("for i in $(seq 50); do echo $i; sleep 0.05; done")
+        stream = client.proc_follow(pid)
+        assert next(iter(stream))[1].startswith(b"1")
+        stream.close()
+    with daemon.client() as client:
+        assert client.proc_status(pid).running
+        assert client.proc_wait(pid, timeout=20).exit_code == 0
+        tail = client.proc_follow(pid)
+        assert b"".join(d for _, d in list(tail)[:-1]).endswith(b"50\n")

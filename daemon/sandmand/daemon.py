@@ -362,6 +362,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
             await self.terminate(pids, 0)
             left = await self._kill_the_rest()
             self.sessions.clear()
+            for proc in self.procs.values():
+                proc.close_stdin()
             self.procs.clear()
             await self.close_terminals()
             # new objects, not emptied ones: what the last lease still finishes (a

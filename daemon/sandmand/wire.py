@@ -387,12 +387,15 @@ OPS = (
     Op("session_list", "sync", True, {}),
     # background processes (ops/procs.py)
     Op("spawn", "sync", True, dict(_COMMAND, buffer_bytes=optional(*_NUMBER),
-                                   command_id=optional(str))),
+                                   command_id=optional(str), stdin_open=optional(bool))),
     Op("proc_status", "sync", True, _PID),
     Op("proc_list", "sync", True, {}),
     Op("proc_output", "sync", True, dict(_PID, stream=optional(str), cursor=optional(int),
                                          max_bytes=optional(*_NUMBER))),
     Op("proc_wait", "async", True, dict(_PID, timeout=optional(*_NUMBER))),
+    Op("proc_follow", "stream", True, dict(_PID, stdout_cursor=optional(int),
+                                           stderr_cursor=optional(int))),
+    Op("proc_stdin", "async", True, dict(_PID, data=optional(bytes, str), close=optional(bool))),
     Op("proc_signal", "sync", True, dict(_PID, signal=optional(int, str), group=optional(bool))),
     # terminals (ops/terminals.py)
     Op("pty_open", "sync", True, dict(_COMMAND, cmd=optional(str, list), cols=optional(int),

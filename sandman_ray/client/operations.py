@@ -23,10 +23,11 @@ STOP_POLL_S = 0.2  # how often a blocking stream asks its ``stop`` while no outp
 
 
 class ExecStream:
-    """What ``exec_stream`` returns on a blocking connection: iterate it for
-    ``(stream, bytes)`` chunks and, last, the ExecResult (a NamedTuple too: tell it by
-    ``isinstance(item, ExecResult)``), which ``result`` keeps.
-    ``close()`` (or dropping it) before the end kills the command."""
+    """What ``exec_stream`` and ``proc_follow`` return on a blocking connection:
+    iterate it for ``(stream, bytes)`` chunks and, last, the result (exec_stream's
+    ExecResult, a NamedTuple too: tell it by ``isinstance(item, ExecResult)``;
+    proc_follow's status), which ``result`` keeps. ``close()`` (or dropping it) before
+    the end kills exec_stream's command; a followed process goes on."""
 
     def __init__(self, frames):
         self._frames = frames
@@ -37,7 +38,7 @@ class ExecStream:
 
     def __next__(self):
         item = next(self._frames)
-        if isinstance(item, ExecResult):
+        if type(item) is not tuple:  # the chunks are plain (stream, bytes) tuples
             self.result = item
         return item
 
@@ -180,11 +181,14 @@ class _Operations:
     # background processes
     def spawn(self, cmd: Command, *, cwd: Optional[str] = None,
               env: Optional[Dict[str, Optional[str]]] = None, stdin: Optional[bytes] = None,
-              buffer_bytes: Optional[int] = None, command_id: Optional[str] = None):
+              buffer_bytes: Optional[int] = None, command_id: Optional[str] = None,
+              stdin_open: Optional[bool] = None):
         """Start a background process; returns its pid. ``command_id``: started once
-        per lease; a retry with the same id gets the same pid."""
+        per lease; a retry with the same id gets the same pid. ``stdin_open``: its stdin
+        stays open for ``proc_stdin`` (else it reads ``stdin``, then end of file)."""
         fields = _present({"cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd,
                            "env": env, "stdin": stdin, "buffer_bytes": buffer_bytes,
+                           "stdin_open": stdin_open,
                            "command_id": command_id})
         return self._call("spawn", fields, lambda r: r["pid"], self.default_timeout)
 
@@ -206,6 +210,24 @@ class _Operations:
         return self._call("proc_wait", _present({"pid": pid, "timeout": timeout}),
                                  ProcessStatus.from_wire,
                                  _reply_timeout(timeout, self.default_timeout))
+
+    def proc_follow(self, pid: int, stdout_cursor: int = 0, stderr_cursor: int = 0, *,
+                    stop: Optional[Callable[[], bool]] = None):
+        """A background process's output as it comes, from the cursors on: an iterator
+        of ``(stream, bytes)`` chunks, then its status (a dict with ``exit_code``,
+        ``stdout_cursor``, ``stderr_cursor`` and ``dropped``, the bytes its ring
+        buffers had let go before they were sent) once it exits, also kept as the
+        iterator's ``result``. Closing the iterator stops following; the process goes
+        on."""
+        return self._stream("proc_follow", {"pid": pid, "stdout_cursor": stdout_cursor,
+                                            "stderr_cursor": stderr_cursor},
+                            lambda r: r, None, stop)
+
+    def proc_stdin(self, pid: int, data: Union[bytes, str] = b"", close: bool = False):
+        """Write to the stdin of a process spawned with ``stdin_open`` (then close it if
+        ``close``); the bytes written."""
+        return self._call("proc_stdin", _present({"pid": pid, "data": data, "close": close}),
+                          lambda r: r["written"], self.default_timeout)
 
     def proc_signal(self, pid: int, signal: Union[int, str] = "TERM", group: bool = True):
         return self._call("proc_signal", _present({"pid": pid, "signal": signal, "group": group}),

@@ -1,6 +1,7 @@
 """Background processes: started by ``spawn``, followed by pid, their output kept in
 ring buffers (``proc_status``, ``proc_list``, ``proc_output``, ``proc_wait``,
-``proc_signal``)."""
+``proc_signal``), streamed as it comes (``proc_follow``), their stdin fed while they
+run (``proc_stdin``)."""
 
 import os
 import time
@@ -8,9 +9,11 @@ import time
 import _signal as signal  # the C module: signal.py would import enum (~10 ms)
 
 from ..fields import RequestError, as_bytes, bad_request, env_field, field, number_field
-from ..loop import Event, Timeout, wait_for
-from ..spawn import Ring, exit_code, signal_tree, write_and_close
+from ..loop import CancelledError, Event, Lock, Timeout, wait_for
+from ..spawn import Ring, exit_code, signal_tree, write_and_close, write_pipe
 from ..wire import MAX_FINISHED_PROCS, MAX_STREAM_CAP, PROC_RING_BYTES
+
+FOLLOW_EVENT_BYTES = 1024 * 1024  # most output one proc_follow event carries
 
 
 class ProcessOps:
@@ -21,14 +24,23 @@ class ProcessOps:
         env = env_field(req, self.env)
         cwd = field(req, "cwd")
         stdin = field(req, "stdin", b"")
+        stdin_open = field(req, "stdin_open", False)
+        if stdin and stdin_open:
+            raise bad_request("fields 'stdin' and 'stdin_open' exclude each other: feed an "
+                              "open stdin with proc_stdin")
         ring = int(number_field(req, "buffer_bytes", PROC_RING_BYTES, 1, MAX_STREAM_CAP))
         if sum(1 for p in self.procs.values() if p.running) >= 4096:
             raise RequestError("LimitExceeded", "4096 background processes are running")
         proc = Process(cmd, ring, self.loop)
-        proc.pid, readers, stdin_w = self._start_command(cmd, env, cwd, bool(stdin),
-                                                         proc.out.add, proc.err.add)
+        proc.pid, readers, stdin_w = self._start_command(cmd, env, cwd,
+                                                         bool(stdin) or stdin_open,
+                                                         proc.heard(proc.out),
+                                                         proc.heard(proc.err))
         if stdin:
             self.loop.create_task(write_and_close(self.loop, stdin_w, as_bytes(stdin)))
+        elif stdin_open:
+            os.set_blocking(stdin_w, False)
+            proc.stdin = stdin_w
         self.procs[proc.pid] = proc
         self.loop.create_task(self._follow(proc, self.children.waiting[proc.pid], readers))
         return {"pid": proc.pid}
@@ -41,7 +53,10 @@ class ProcessOps:
         proc.exit_code, proc.signal = exit_code(status)
         proc.ended = time.time()
         proc.out.eof = proc.err.eof = True
+        proc.close_stdin()
         proc.done.set()
+        proc.more.set()
+        proc.more.clear()
         finished = [p for p in self.procs.values() if not p.running]
         for old in sorted(finished, key=lambda p: p.ended)[:-MAX_FINISHED_PROCS]:
             del self.procs[old.pid]
@@ -79,6 +94,46 @@ class ProcessOps:
         status["timed_out"] = proc.running
         return status
 
+    async def op_proc_follow(self, req, reply):
+        """Events ``stdout`` and ``stderr`` with the output from the cursors on, as it
+        comes (paced by the client: while the connection's unsent replies are over its
+        high-water mark, none is sent), then the status once the process has exited and
+        all of it was sent, or once the follow is cancelled (the process goes on);
+        ``stdout_cursor``/``stderr_cursor`` there: where to follow from again."""
+        proc = self._proc(req)
+        # where each stream got to, and the bytes its ring let go before they were sent
+        at = [max(0, field(req, "stdout_cursor", 0)), max(0, field(req, "stderr_cursor", 0)), 0]
+        try:
+            await _follow(proc, reply, at)
+        except CancelledError:
+            pass
+        status = proc.status()
+        status.update(stdout_cursor=at[0], stderr_cursor=at[1], dropped=at[2])
+        return status
+
+    async def op_proc_stdin(self, req):
+        """Write ``data`` to the stdin of a process spawned with ``stdin_open``, then
+        close it if ``close``; the bytes written."""
+        proc = self._proc(req)
+        data = as_bytes(field(req, "data", b""))
+        if proc.stdin is None:
+            raise RequestError("StdinClosed", "process %d has no open stdin (spawned without "
+                               "stdin_open, or it was closed)" % proc.pid)
+        async with proc.stdin_lock:
+            try:
+                if data and proc.stdin is not None:
+                    await write_pipe(self.loop, proc.stdin, data)
+            except OSError as exc:  # EPIPE: it closed its stdin or exited
+                proc.close_pending = True
+                raise RequestError("StdinClosed", "process %d stopped reading its stdin (%s)"
+                                   % (proc.pid, exc.strerror))
+            finally:
+                if field(req, "close", False):
+                    proc.close_pending = True
+        if proc.close_pending:
+            proc.close_stdin()
+        return {"written": len(data)}
+
     def op_proc_signal(self, req):
         proc = self._proc(req)
         sig = signal_number(field(req, "signal", "TERM"))
@@ -88,6 +143,27 @@ class ProcessOps:
             else:
                 os.kill(proc.pid, sig)
         return proc.status()
+
+
+async def _follow(proc, reply, at):
+    """Send ``proc``'s output from the cursors of ``at`` on, until it has exited and
+    all of it was sent."""
+    while True:
+        sent = False
+        for i, ring in enumerate((proc.out, proc.err)):
+            chunk = ring.read(at[i], FOLLOW_EVENT_BYTES)
+            at[2] += chunk["dropped"]
+            at[i] = chunk["cursor"]
+            if chunk["data"]:
+                reply.event(("stdout", "stderr")[i], chunk["data"])
+                sent = True
+        writable = reply.conn.writable
+        if not writable.is_set():
+            await writable.wait()
+        elif not sent:
+            if not proc.running:
+                return
+            await proc.more.wait()
 
 
 class Process:
@@ -102,6 +178,25 @@ class Process:
         self.exit_code = None
         self.signal = None
         self.done = Event(loop)
+        self.more = Event(loop)  # set when output or the end arrives
+        self.stdin = None  # the write end of an open stdin (spawn's stdin_open)
+        self.stdin_lock = Lock(loop)  # one write at a time: chunks never interleave
+        self.close_pending = False  # closed once the write under way ends
+
+    def heard(self, ring):
+        """The sink of one stream's output: kept in ``ring``, followers told."""
+        def sink(chunk):
+            ring.add(chunk)
+            self.more.set()
+            self.more.clear()
+        return sink
+
+    def close_stdin(self):
+        """Close the open stdin (after the write under way, if one is)."""
+        self.close_pending = True
+        if self.stdin is not None and not self.stdin_lock.held:
+            os.close(self.stdin)
+            self.stdin = None
 
     @property
     def running(self):

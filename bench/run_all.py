@@ -55,6 +55,8 @@ On a local Ray with the LocalProvider, each section in a module of its own
   fusion  SandboxFusion's ``/run_code`` on the service, a python print one at a time and
          64 at once, beside the same program run by a plain subprocess on the host
          (``bench/fusion.py``).
+  e2b  E2B's SDK ``commands.run("true")`` through the service beside sandman's client's
+         ``exec`` (``bench/e2b_sdk.py``).
   isolation  what each isolation level costs, one after the other in this run
          (``bench/isolation.py``): create -> first exec (one at a time) and
          ``exec true`` through the daemon client, for the LocalProvider with root inside
@@ -87,6 +89,7 @@ import cycles  # noqa: E402
 import density  # noqa: E402
 import forks  # noqa: E402
 import fusion  # noqa: E402
+import e2b_sdk  # noqa: E402
 import isolation  # noqa: E402
 import progress  # noqa: E402
 import service  # noqa: E402
@@ -147,13 +150,15 @@ def table(results: dict, args) -> List[tuple]:
         rows += service.rows(results["service"])
     if "fusion" in results:
         rows += fusion.rows(results["fusion"])
+    if "e2b" in results:
+        rows += e2b_sdk.rows(results["e2b"])
     return rows
 
 
 # in the order they run; stream last: its 100 MB chunks stay in the host's heap (which
 # density measures)
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "density",
-            "service", "fusion", "stream")
+            "service", "fusion", "e2b", "stream")
 
 
 def isolation_section(args) -> dict:
@@ -216,6 +221,7 @@ def main(argv=None) -> int:
             "density": lambda: density.density(density.parse_ns(args.density_ns)),
             "service": lambda: service.service(args.service_n, args.service_rounds),
             "fusion": fusion.fusion,
+            "e2b": e2b_sdk.e2b_beside_ours,
             "stream": lambda: stream.stream(image)}
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:

@@ -68,8 +68,9 @@ def build_busybox_rootfs(dest: Path) -> Path:
 
 
 def build_debian_rootfs(dest: Path, suite: str = "bookworm",
-                        include: Sequence[str] = ()) -> Path:
-    """A Debian minbase rootfs with debootstrap (and the packages in ``include``):
+                        include: Sequence[str] = (), users: Sequence[str] = ()) -> Path:
+    """A Debian minbase rootfs with debootstrap (and the packages in ``include``, and a
+    user of uid 1000 up, with a home of /home/<name>, for each name of ``users``):
     ~20 s and ~200 MB without Python, once; ``builtin:debian`` adds python3."""
     dest = Path(dest)
     if (dest / "etc" / "debian_version").exists():
@@ -84,7 +85,26 @@ def build_debian_rootfs(dest: Path, suite: str = "bookworm",
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for sub in MOUNT_POINTS:
         (tmp / sub).mkdir(parents=True, exist_ok=True)
+    for uid, name in enumerate(users, 1000):
+        add_user(tmp, name, uid)
     return _publish(tmp, dest)
+
+
+def add_user(rootfs: Path, name: str, uid: int) -> None:
+    """User ``name`` (uid and gid ``uid``, shell bash, home /home/<name> that it owns)
+    in ``rootfs``, written into its account files as useradd would."""
+    etc = rootfs / "etc"
+    for path, line in (("passwd", "%s:x:%d:%d::/home/%s:/bin/bash" % (name, uid, uid, name)),
+                       ("group", "%s:x:%d:" % (name, uid)), ("shadow", "%s:!:19000::::::" % name),
+                       ("gshadow", "%s:!::" % name)):
+        with open(etc / path, "a") as f:
+            f.write(line + "\n")
+    home = rootfs / "home" / name
+    home.mkdir(parents=True, exist_ok=True)
+    for skel in (etc / "skel").glob(".*") if (etc / "skel").is_dir() else ():
+        shutil.copy2(skel, home / skel.name)
+    for path in [home] + list(home.iterdir()):
+        os.chown(path, uid, uid)
 
 
 def _rootfs_layer(rootfs: Path) -> bytes:
@@ -172,18 +192,20 @@ def write_docker_archive(rootfs: Path, archive: Path, config: Optional[dict] = N
 # ``builtin:<name>``: how each built-in image is made. builtin:debian is a task image of
 # the kind agents work in: bash, python (also as ``python``) and a pager, which
 # SWE-ReX's own suite runs (tests/peer) assumes. builtin:code runs programs of
-# SandboxFusion's requests (service/fusion.py): python, bash, C and C++.
+# SandboxFusion's requests (service/fusion.py): python, bash, C and C++, and is E2B's
+# ``base`` template (service/e2b), whose commands run as ``user`` in /home/user.
 BUILTIN_PACKAGES = {"debian": ("python3", "python-is-python3", "less"),
                     "code": ("python3", "python-is-python3", "gcc", "g++", "libc6-dev")}
+BUILTIN_USERS = {"debian": (), "code": ("user",)}
 
 
 def builtin_key(name: str) -> str:
     """The cache entry of ``builtin:<name>``: named after what it is made of, so that a
     new package list builds a new entry instead of reusing the old one."""
-    made_of = ",".join(BUILTIN_PACKAGES[name])
+    made_of = ",".join(BUILTIN_PACKAGES[name] + tuple("user:" + u for u in BUILTIN_USERS[name]))
     return "builtin-%s-%s" % (name, hashlib.sha256(made_of.encode()).hexdigest()[:8])
 
 
 def build_builtin(name: str, dest: Path) -> Path:
     """The rootfs of ``builtin:<name>`` at ``dest`` (built once, ~40 s)."""
-    return build_debian_rootfs(dest, include=BUILTIN_PACKAGES[name])
+    return build_debian_rootfs(dest, include=BUILTIN_PACKAGES[name], users=BUILTIN_USERS[name])

@@ -38,6 +38,9 @@ def add_parsers(sub) -> None:
     serve.add_argument("--fusion-image", default="builtin:code",
                        help="the image SandboxFusion's /run_code runs programs in "
                             "(default: %(default)s: python, bash, C, C++)")
+    serve.add_argument("--e2b-template", action="append", metavar="NAME=IMAGE",
+                       help="an E2B template and the image its sandboxes run (again for "
+                            "more; base is builtin:code unless given)")
     serve.add_argument("--stop", action="store_true", help="stop the service of POOL")
     serve.add_argument("--slow-after", type=int, default=5,
                        help="failed keys from one address a minute before each more one "
@@ -100,8 +103,15 @@ def cmd_serve(args) -> int:
         raise ValueError("--slow-after is 0 or more, got %d" % args.slow_after)
     from sandman_ray.spec import parse_image
     parse_image(args.fusion_image)  # a bad reference is said now, by name
+    templates = {}
+    for given in args.e2b_template or ():
+        name, sep, image = given.partition("=")
+        if not sep or not name or not image:
+            raise ValueError("--e2b-template is NAME=IMAGE, got %r" % given)
+        parse_image(image)
+        templates[name] = image
     _, urls = start_service(args.pool, keys, args.host, args.port, args.data_port, tls,
-                            args.slow_after, args.fusion_image, args.insecure)
+                            args.slow_after, args.fusion_image, args.insecure, templates)
     print(json.dumps(dict(urls, pool=args.pool)), flush=True)
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -61,13 +61,15 @@ class ServiceHost(_HandleHost):
     async def start(self, pool: str, keys_path: str, host: str, port: int,
                     data_port: int, tls: Optional[Tuple[str, str]] = None,
                     slow_after: int = SLOW_AFTER,
-                    fusion_image: str = FUSION_IMAGE, insecure: bool = False) -> Dict[str, str]:
+                    fusion_image: str = FUSION_IMAGE, insecure: bool = False,
+                    e2b_templates: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """Listen (with TLS: ``tls`` the certificate's and its key's files); the
         control plane's and the data plane's URLs, and the serving process's pid.
         ``slow_after``: failed keys from one address a minute before each more one is
         slowed (0: never); ``fusion_image``: the image SandboxFusion's requests run in;
         ``insecure``: leases may go to other nodes without TLS (their gateways' keys
-        cross the cluster's network in the clear), else only with it."""
+        cross the cluster's network in the clear), else only with it; ``e2b_templates``:
+        E2B's templates, by name, as the images they run (over service/e2b's own)."""
         self.slow_after = slow_after
         self.fusion_image, self.fusion_carried = fusion_image, set()
         self.spread = tls is not None or insecure  # leases on other nodes
@@ -94,6 +96,8 @@ class ServiceHost(_HandleHost):
         self.gateways: Dict[str, Tuple[object, str]] = {}  # node id -> (its gateway, URL)
         self.gateway_starts: Dict[str, asyncio.Future] = {}  # node id -> its gateway's start
         stop_gateways(pool)  # an earlier incarnation's: they ask this one from now on
+        from sandman_ray.service.e2b.sandboxes import Sandboxes
+        self.e2b = Sandboxes(self, e2b_templates)
         self.gateway = Gateway(admitting(self.keys.verify, self._find), self._used,
                                onward_ssl=onward)
         self.data = await self.gateway.serve(host, data_port, ssl=context)
@@ -122,6 +126,7 @@ class ServiceHost(_HandleHost):
     async def stop(self) -> int:
         """Stop listening and give back every lease; how many there were."""
         self.data.close()
+        self.e2b.close()
         await self.runner.cleanup()
         ids = list(self.served)
         for lease_id in ids:
@@ -430,6 +435,7 @@ class ServiceHost(_HandleHost):
                 self.ended_for.clear()
             self.ended_for[lease_id] = served[0]
             self.gateway.cut(lease_id)
+            self.e2b.ended(lease_id)
             if served[0] in self.freed:
                 self.freed[served[0]].set()
             if served[1].node_id in self.gateways:
@@ -444,7 +450,8 @@ RemoteServiceHost = ray.remote(num_cpus=0, max_restarts=0,
 def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int = 0,
                   data_port: int = 0, tls: Optional[Tuple[str, str]] = None,
                   slow_after: int = SLOW_AFTER, fusion_image: str = FUSION_IMAGE,
-                  insecure: bool = False) -> Tuple[object, Dict[str, str]]:
+                  insecure: bool = False, e2b_templates: Optional[Dict[str, str]] = None
+                  ) -> Tuple[object, Dict[str, str]]:
     """The service of ``pool`` on this node, started (detached: it outlives the
     process that started it, until ``stop_service``); (its actor, its URLs)."""
     actor = RemoteServiceHost.options(
@@ -453,7 +460,8 @@ def start_service(pool: str, keys_path: str, host: str = "127.0.0.1", port: int 
             ray.get_runtime_context().get_node_id(), soft=False)).remote()
     try:
         urls = ray.get(actor.start.remote(pool, keys_path, host, port, data_port, tls,
-                                          slow_after, fusion_image, insecure))
+                                          slow_after, fusion_image, insecure,
+                                          e2b_templates))
     except BaseException:
         ray.kill(actor)
         raise

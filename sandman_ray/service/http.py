@@ -77,6 +77,9 @@ def app(core, verify) -> web.Application:
                 raise
             if fusion_path(request.path):
                 answer = web.json_response({"detail": exc.reason}, status=exc.status)
+            elif e2b_path(request.path):
+                answer = web.json_response({"code": exc.status, "message": "%s: %s %s" % (
+                    exc.reason, request.method, request.path)}, status=exc.status)
             else:
                 answer = error_response(exc.status, type(exc).__name__[4:] or "HTTPError",
                                         exc.reason)
@@ -102,8 +105,9 @@ def app(core, verify) -> web.Application:
 
     @web.middleware
     async def auth(request, handler):
-        if request.path in ("/v1/openapi.json", "/v1/healthz") or fusion_path(request.path):
-            return await handler(request)  # no key, or SandboxFusion's routes (their shape)
+        if request.path in ("/v1/openapi.json", "/v1/healthz") or fusion_path(request.path) \
+                or e2b_path(request.path):
+            return await handler(request)  # no key, or another protocol's (its own keys)
         header = request.headers.get("Authorization", "")
         tenant = verify(header[len("Bearer "):]) if header.startswith("Bearer ") else None
         if tenant is None:
@@ -192,6 +196,7 @@ def app(core, verify) -> web.Application:
 
     application = web.Application(middlewares=[errors, auth], client_max_size=BODY_MAX)
     application.add_routes(fusion_routes(core, verify))
+    application.add_routes(e2b_routes(core, verify))
     application.add_routes([
         web.post("/v1/leases", acquire), web.get("/v1/leases", leases),
         web.get("/v1/leases/{id}", one), web.delete("/v1/leases/{id}", release),
@@ -207,9 +212,32 @@ def app(core, verify) -> web.Application:
 FUSION_PATHS = ("/run_code", "/v1/ping")  # SandboxFusion's, with Authorization: Bearer
 
 
+def e2b_path(path: str) -> bool:
+    from sandman_ray.service.e2b.routes import e2b_path as which
+    return which(path) is not None
+
+
+def e2b_routes(core, verify) -> list:
+    """E2B's control plane and envd (service/e2b)."""
+    from sandman_ray.service.e2b.routes import routes
+    return routes(core, verify)
+
+
 def fusion_path(path: str) -> bool:
     """Whether ``path`` is one of SandboxFusion's routes (its own shapes, its own keys)."""
     return path in FUSION_PATHS or path.startswith("/fusion/")
+
+
+async def tenant_by_key(core, verify, request, key: Optional[str]) -> Optional[str]:
+    """The tenant of ``key``, else of the request's ``Authorization: Bearer`` key; None
+    (and the failure counted against its address) when neither is live."""
+    if key is None:
+        header = request.headers.get("Authorization", "")
+        key = header[len("Bearer "):] if header.startswith("Bearer ") else None
+    tenant = verify(key) if key else None
+    if tenant is None:
+        await core.failed_key(request.remote)
+    return tenant
 
 
 def fusion_routes(core, verify) -> list:
@@ -223,14 +251,7 @@ def fusion_routes(core, verify) -> list:
         return web.json_response({"detail": detail}, status=status)
 
     async def tenant_of(request) -> Optional[str]:
-        key = request.match_info.get("key")
-        if key is None:
-            header = request.headers.get("Authorization", "")
-            key = header[len("Bearer "):] if header.startswith("Bearer ") else None
-        tenant = verify(key) if key else None
-        if tenant is None:
-            await core.failed_key(request.remote)
-        return tenant
+        return await tenant_by_key(core, verify, request, request.match_info.get("key"))
 
     async def ping(request):
         if await tenant_of(request) is None:

@@ -1,0 +1,78 @@
+"""E2B's SDK against the service beside sandman's own client, in one run.
+
+``commands.run("true")`` of E2B's SDK (``e2b`` from PyPI, pointed at ``sandman serve``
+by its environment variables; each call a Connect stream through envd's routes, which
+spawn the command in the sandbox and follow it to its end) beside ``exec("true")`` of
+sandman's client through the service's data plane, on sandboxes of the same image and
+pool, in interleaved batches. Issue 50's target: E2B's p50 <= 1.5x ours.
+
+    python bench/e2b_sdk.py [--batches 40] [--per 25]     (or make bench: its service section)
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import pct, run_alone, states, wait_for  # noqa: E402
+
+IMAGE = "builtin:code"  # E2B's base template
+
+
+def e2b_beside_ours(batches: int = 40, per: int = 25) -> dict:
+    import service
+    from sandman_ray.remote import connect
+    with service.served({IMAGE: 2}, 8) as (pool, urls, keys):
+        wait_for(lambda: states(pool)["ready"] >= 2, "2 warm sandboxes")
+        os.environ.update({"E2B_API_URL": urls["url"], "E2B_SANDBOX_URL": urls["url"],
+                           "E2B_API_KEY": keys[0], "E2B_HTTP_VERSION": "1.1"})
+        import e2b
+        sandbox = e2b.Sandbox.create(timeout=600)
+        ours = connect(urls["url"], keys[0]).acquire(IMAGE, timeout=120)
+        try:
+            def e2b_run():
+                if sandbox.commands.run("true").exit_code != 0:
+                    raise RuntimeError("e2b: true failed")
+            calls = {"e2b": e2b_run, "sandman": lambda: ours.exec("true")}
+            times: Dict[str, List[float]] = {name: [] for name in calls}
+            for call in calls.values():  # warm
+                for _ in range(20):
+                    call()
+            for _ in range(batches):
+                for name, call in calls.items():
+                    for _ in range(per):
+                        started = time.perf_counter()
+                        call()
+                        times[name].append(time.perf_counter() - started)
+        finally:
+            sandbox.kill()
+            ours.release()
+    out = {name: {"p50_ms": pct(t, 0.5) * 1e3, "p99_ms": pct(t, 0.99) * 1e3, "n": len(t)}
+           for name, t in times.items()}
+    out["e2b_over_sandman_p50"] = out["e2b"]["p50_ms"] / out["sandman"]["p50_ms"]
+    return out
+
+
+def rows(s: dict) -> List[tuple]:
+    e, ours = s["e2b"], s["sandman"]
+    return [("e2b", "E2B SDK commands.run('true') via the service: p50 / p99",
+             "%.2f / %.2f ms" % (e["p50_ms"], e["p99_ms"]),
+             "%.2fx sandman's exec %.2f ms (target <= 1.5x)" % (s["e2b_over_sandman_p50"],
+                                                                ours["p50_ms"]))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--per", type=int, default=25)
+    args = parser.parse_args()
+    return run_alone(lambda: e2b_beside_ours(args.batches, args.per), rows, "e2b")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ a process or the machine used, and waiting on a pool."""
 import os
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import ray
 
@@ -51,6 +51,25 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 600) -> 
         if time.monotonic() > deadline:
             raise SystemExit("timed out waiting for %s" % what)
         time.sleep(0.2)
+
+
+def interleaved(calls: Dict[str, Callable[[], object]], batches: int, per: int,
+                warm: int = 20) -> Dict[str, List[float]]:
+    """Each call's times (s): ``warm`` untimed calls each, then ``batches`` rounds in
+    which each call in turn (the order rotating) is timed ``per`` times: side by side,
+    so that the machine's drift falls on all of them alike."""
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        for _ in range(warm):
+            call()
+    names = list(calls)
+    for turn in range(batches):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            for _ in range(per):
+                started = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - started)
+    return times
 
 
 def run_alone(measure: Callable[[], dict], rows: Callable[[dict], list],

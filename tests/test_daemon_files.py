@@ -173,3 +173,53 @@ def test_a_sparse_file_of_ten_gigabytes_gets_a_bounded_answer(daemon, client, tm
     part = lambda: client.read_file(sparse, offset=5 * 2 ** 30, length=32 * 2 ** 20)  # noqa: E731
     outcome, slowest = _answers_meanwhile(daemon, part)
     assert outcome["result"] == b"\0" * (32 * 2 ** 20) and slowest < 1.0, slowest
+
+
+def test_watch_dir_tells_what_befalls_a_directory_and_its_new_subdirectories(daemon, tmp_path):
+    import queue
+    import threading
+    root = tmp_path / "watched"
+    root.mkdir()
+    with daemon.client() as watching, daemon.client() as client:
+        heard = queue.Queue()
+        stream = watching.watch_dir(str(root), recursive=True)
+        threading.Thread(target=lambda: [heard.put(e) for e in stream], daemon=True).start()
+        seen = []
+
+        def until(event, touch=None):
+            """Events until ``event``, calling ``touch`` while none comes (the watch is
+            in place once one has come)."""
+            while event not in seen:
+                try:
+                    seen.append(heard.get(timeout=0.2))
+                except queue.Empty:
+                    if touch is None:
+                        raise AssertionError("no %r among %r" % (event, seen))
+                    touch()
+        until(("chmod", b"probe"), lambda: os.utime(root / "probe") if
+              (root / "probe").exists() else (root / "probe").write_text(""))
+        client.write_file(str(root / "a.txt"), b"one")  # written beside, renamed into place
+        client.mkdir(str(root / "sub"))
+        until(("create", b"sub"))
+        until(("create", b"a.txt"))
+        client.write_file(str(root / "sub" / "b.txt"), b"two", append=True)
+        client.move(str(root / "a.txt"), str(root / "c.txt"))
+        client.remove(str(root / "sub" / "b.txt"))
+        for want in (("create", b"sub/b.txt"), ("write", b"sub/b.txt"), ("rename", b"a.txt"),
+                     ("create", b"c.txt"), ("remove", b"sub/b.txt")):
+            until(want)
+        client.remove(str(root), recursive=True)  # the root's removal ends the watch
+        end = None
+        while not isinstance(end, dict):
+            end = heard.get(timeout=10)
+        assert end["events"] >= 7 and not end["overflowed"]
+
+
+def test_watch_dir_refuses_what_is_not_a_directory_and_ends_when_closed(daemon, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with daemon.client() as client:
+        with pytest.raises(DaemonError, match="Not a directory"):
+            list(client.watch_dir(str(tmp_path / "f")))
+        stream = client.watch_dir(str(tmp_path))
+        stream.close()  # given up: the watch ends, the connection serves on
+        assert client.stat(str(tmp_path / "f")).size == 1

@@ -14,7 +14,7 @@ STEPS = {step for op in wire.OPS for step in op.steps}
 CLIENT_OPS = [op for op in wire.OPS if op.kind != "hello" and op.name not in STEPS]
 # what a client method takes beyond its op's fields, and the fields it sets itself
 CLIENT_ONLY = {"exec": {"on_output"}, "read_file": {"max_bytes"}, "get_archive": {"max_bytes"},
-               "proc_follow": {"stop"}}
+               "proc_follow": {"stop"}, "watch_dir": {"stop"}}
 SET_BY_CLIENT = {"exec": {"stream"}}  # from on_output
 
 

@@ -249,3 +249,35 @@ def test_envd_finds_a_sandbox_by_its_host_name_and_refuses_garbage(service, sand
                                         "Content-Type": "application/connect+json"}))
         assert status == 200 and b'"error"' in body and b'"invalid_argument"' in body, body
     assert sandbox.commands.run("echo fine").stdout == "fine\n"
+
+
+def test_a_watched_directory_tells_its_events_polled_and_streamed(service, sandbox):
+    sandbox.files.make_dir("watched")
+    handle = sandbox.files.watch_dir("watched", recursive=True)
+    sandbox.files.write("watched/new.txt", "x")
+    sandbox.files.make_dir("watched/sub")
+    sandbox.commands.run("echo more >> watched/new.txt; touch watched/sub/deep")
+    sandbox.files.remove("watched/new.txt")
+    seen = []
+    wait_until(lambda: seen.extend(handle.get_new_events()) or
+               {("new.txt", e2b.FilesystemEventType.REMOVE), ("sub/deep",
+                e2b.FilesystemEventType.CREATE)} <= {(e.name, e.type) for e in seen},
+               timeout=10, what="the watch's events")
+    kinds = {(e.name, e.type) for e in seen}
+    assert ("new.txt", e2b.FilesystemEventType.WRITE) in kinds
+    assert ("sub", e2b.FilesystemEventType.CREATE) in kinds
+    handle.stop()
+    with pytest.raises(e2b.SandboxException):
+        sandbox.files.watch_dir("no/such/dir")
+
+    async def streamed():
+        box = await e2b.AsyncSandbox.connect(sandbox.sandbox_id)
+        heard = asyncio.Queue()
+        watch = await box.files.watch_dir("/home/user", heard.put_nowait)
+        await box.files.write("/home/user/async.txt", "y")
+        while True:
+            event = await asyncio.wait_for(heard.get(), 10)
+            if event.name == "async.txt":
+                break
+        await watch.stop()
+    asyncio.run(streamed())

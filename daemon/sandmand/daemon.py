@@ -19,6 +19,7 @@ from .ops.files import FileOps, open_regular
 from .ops.procs import ProcessOps
 from .ops.sessions import SessionOps
 from .ops.terminals import TerminalOps
+from .ops.watches import WatchOps
 from .spawn import (
     DEFAULT_PATH, HAS_PIDFD, Children, encode_env, group_exists, kill_all, process_exists, sandbox_pids,
     signal_tree)
@@ -76,7 +77,7 @@ class OomCounter:
         return oom_kills(self.path)
 
 
-class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps):
+class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps, WatchOps):
     """The daemon's state, its lifecycle and the ops of the daemon itself (ping, info,
     shutdown); the other ops come from the mixins of ops/."""
 

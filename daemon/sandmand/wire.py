@@ -417,6 +417,7 @@ OPS = (
     Op("remove", "async", True, dict(_PATH, recursive=optional(bool), missing_ok=optional(bool))),
     Op("move", "async", True, {"src": required(str), "dst": required(str),
                                "overwrite": optional(bool)}),
+    Op("watch_dir", "stream", True, dict(_PATH, recursive=optional(bool))),
     Op("get_archive", "stream", True, _PATH),
     Op("put_archive", "composite", True, dict(_PATH, tar=required(bytes)),
        steps=("put_archive_begin", "put_archive_data", "put_archive_end")),

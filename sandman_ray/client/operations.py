@@ -330,6 +330,16 @@ class _Operations:
         return self._call("move", _present({"src": src, "dst": dst, "overwrite": overwrite}),
                                  timeout=self.default_timeout)
 
+    def watch_dir(self, path: str, recursive: bool = False, *,
+                  stop: Optional[Callable[[], bool]] = None):
+        """What befalls directory ``path`` (and its subdirectories if ``recursive``): an
+        iterator of ``("ready", b"")`` once the watch is in place, then of ``(kind,
+        relative path)`` events (kind ``create``, ``write``,
+        ``remove``, ``rename`` or ``chmod``; the path bytes) as they happen, until it is
+        closed or the directory removed; then ``{"events", "overflowed"}``."""
+        return self._stream("watch_dir", {"path": path, "recursive": recursive},
+                            lambda r: r, None, stop)
+
     def get_archive(self, path: str, *, max_bytes: int = MAX_RESULT_BYTES):
         """A file or directory of the sandbox as an uncompressed tar (bytes); one larger
         than ``max_bytes`` raises ResultTooLarge (the rest of the stream is read and

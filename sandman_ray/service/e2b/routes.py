@@ -22,7 +22,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from sandman_ray.service.e2b.envd import Envd
+from sandman_ray.service.e2b import envd
 from sandman_ray.service.http import BODY_MAX, Refusal, tenant_by_key
 
 CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/templates", "/volumes", "/secrets",
@@ -159,4 +159,4 @@ def routes(core, verify) -> list:
         served.append(web.route("*", "/v2/sandboxes/{id}/%s{rest:.*}" % tail, refusing(what)))
     for prefix, what in NOT_SERVED:
         served.append(web.route("*", prefix + "{rest:.*}", refusing(what)))
-    return served + Envd(sandboxes).routes()
+    return served + envd.routes(sandboxes)

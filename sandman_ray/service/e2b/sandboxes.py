@@ -75,7 +75,8 @@ class Sandbox:
         self.renewed = 0.0  # when its lease was last kept alive
         self.client = None  # the daemon, once a call needs it (envd.py)
         self.connecting: Optional[asyncio.Future] = None
-        self.procs: Dict[int, dict] = {}  # pid -> what envd's List tells of it (envd.py)
+        self.procs: Dict[int, dict] = {}  # pid -> what envd's List tells of it (processes.py)
+        self.watchers: Dict[str, object] = {}  # id -> a polled watch (files.py)
 
     def answer(self) -> dict:
         """E2B's ``Sandbox``: what a create or a connect answers."""
@@ -219,7 +220,11 @@ class Sandboxes:
     def ended(self, lease_id: str) -> None:
         """The lease ended (given back, reclaimed, or at its end time)."""
         box = self.by_id.pop(lease_id[2:], None)
-        if box is not None and box.client is not None:
+        if box is None:
+            return
+        for watch in box.watchers.values():
+            watch.stop()
+        if box.client is not None:
             box.client.close()
 
     async def _renew(self) -> None:

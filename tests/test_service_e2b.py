@@ -189,7 +189,7 @@ def test_keys_tokens_and_what_is_not_served_answer_in_e2b_shape(service, sandbox
     status, _, body = http_call(service, "GET", "/templates", key=None)
     assert status == 401 and b'"code": 401' in body
     for method, path in (("GET", "/templates"), ("GET", "/volumes"), ("GET", "/secrets"),
-                         ("POST", "/sandboxes/%s/fork" % sandbox.sandbox_id)):
+                         ("GET", "/sandboxes/%s/logs" % sandbox.sandbox_id)):
         status, _, body = _e2b_call(service, method, path)
         assert status == 501 and b"not served by sandman" in body, (path, body)
     with pytest.raises(e2b.SandboxException, match="template 'no-such-template' not found"):
@@ -281,3 +281,35 @@ def test_a_watched_directory_tells_its_events_polled_and_streamed(service, sandb
                 break
         await watch.stop()
     asyncio.run(streamed())
+
+
+def test_forks_and_snapshots_carry_the_files(service):
+    box = e2b.Sandbox.create(metadata={"kind": "source"}, envs={"TASK": "f-1"})
+    try:
+        box.files.write("state.txt", "before")
+        forks = box.fork(count=2, timeout=60)
+        assert len(forks) == 2 and all(isinstance(f, e2b.Sandbox) for f in forks), forks
+        box.files.write("state.txt", "after")  # the source goes on, the forks have their own
+        for i, fork in enumerate(forks):
+            assert fork.files.read("state.txt") == "before"
+            fork.files.write("state.txt", "fork %d" % i)
+            assert fork.commands.run("echo $TASK").stdout == "f-1\n"
+        assert [f.files.read("state.txt") for f in forks] == ["fork 0", "fork 1"]
+        assert box.files.read("state.txt") == "after"
+        snap = box.create_snapshot()
+        assert snap.snapshot_id in [s.snapshot_id for s in
+                                    e2b.Sandbox.list_snapshots(sandbox_id=box.sandbox_id)
+                                    .next_items()]
+        started = e2b.Sandbox.create(snap.snapshot_id)
+        assert started.files.read("state.txt") == "after"
+        # bob cannot start a sandbox of alice's snapshot, nor delete it
+        with pytest.raises(e2b.SandboxException, match="not found"):
+            e2b.Sandbox.create(snap.snapshot_id, api_key=service["bob"])
+        assert not e2b.Sandbox.delete_snapshot(snap.snapshot_id, api_key=service["bob"])
+        started.kill()
+        for fork in forks:
+            fork.kill()
+        assert e2b.Sandbox.delete_snapshot(snap.snapshot_id)
+        assert not e2b.Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        box.kill()

@@ -11,9 +11,14 @@ shape, ``{"code": <status>, "message": ...}``.
     POST   /sandboxes/{id}/pause             -> 204
     POST   /sandboxes/{id}/resume            {timeout} -> 201
     POST   /sandboxes/{id}/connect, /v2/...  {timeout} -> 200, or 201 when it was resumed
+    POST   /sandboxes/{id}/fork              {timeout, count} -> 201 [{sandbox} | {error}]
+    POST   /sandboxes/{id}/snapshots         {name} -> 201 {snapshotID, names}
+    GET    /snapshots                        the tenant's (sandboxID=, name=)
+    DELETE /templates/{snapshot id}          -> 204 (the SDK deletes a snapshot so)
 
-Templates (builds), volumes, secrets, snapshots, forks, logs, metrics and network rules
-are not served: they answer 501 naming what was asked.
+A snapshot's id is a template of its tenant's creates. Forks and snapshots keep files,
+not memory. Template builds, volumes, secrets, logs, metrics and network rules are not
+served: they answer 501 naming what was asked.
 """
 
 import json
@@ -22,6 +27,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from sandman_ray.errors import ProviderError, SandmanError, SnapshotInUse
 from sandman_ray.service.e2b import envd
 from sandman_ray.service.http import BODY_MAX, Refusal, tenant_by_key
 
@@ -31,9 +37,9 @@ ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_PATHS = ("/files", "/health")
 NOT_SERVED = (("/templates", "template builds"), ("/v2/templates", "template builds"),
               ("/v3/templates", "template builds"), ("/default-templates", "templates"),
-              ("/volumes", "volumes"), ("/secrets", "secrets"), ("/snapshots", "snapshots"),
+              ("/volumes", "volumes"), ("/secrets", "secrets"),
               ("/teams", "teams"))
-SANDBOX_NOT_SERVED = (("fork", "forks"), ("snapshots", "snapshots"), ("logs", "logs"),
+SANDBOX_NOT_SERVED = (("logs", "logs"),
                       ("metrics", "metrics"), ("network", "network rules"),
                       ("refreshes", "refreshes (use timeout)"))
 
@@ -78,6 +84,14 @@ def routes(core, verify) -> list:
                 return await handler(request, await tenant_of(request))
             except Refusal as no:
                 return error(no.status, no.message)
+            except ValueError as exc:  # the pool's word on what was asked
+                return error(400, str(exc))
+            except ProviderError as exc:
+                return error(429 if exc.kind == "transient" else 422, str(exc))
+            except SnapshotInUse as exc:
+                return error(409, str(exc))
+            except SandmanError as exc:
+                return error(422, "%s: %s" % (type(exc).__name__, exc))
         return answer
 
     async def body_of(request) -> dict:
@@ -139,6 +153,33 @@ def routes(core, verify) -> list:
                                      running_is_fine=True)
         return web.json_response(box.answer(), status=201 if was_paused else 200)
 
+    @answering
+    async def fork(request, tenant):
+        return web.json_response(await sandboxes.fork(tenant, request.match_info["id"],
+                                                      await body_of(request)), status=201)
+
+    @answering
+    async def snapshot(request, tenant):
+        return web.json_response(await sandboxes.snapshot(
+            tenant, request.match_info["id"], await body_of(request)), status=201)
+
+    @answering
+    async def snapshots(request, tenant):
+        return web.json_response(await sandboxes.snapshots(
+            tenant, request.query.get("sandboxID"), request.query.get("name")))
+
+    @answering
+    async def delete_snapshot(request, tenant):
+        """The SDK deletes a snapshot as the template it is."""
+        try:
+            await sandboxes.delete_snapshot(tenant, request.match_info["id"])
+        except Refusal as no:
+            if no.status != 404:
+                raise
+            return error(404, "snapshot %s not found (template deletion is not served by "
+                         "sandman)" % request.match_info["id"])
+        return web.Response(status=204)
+
     def refusing(what: str):
         @answering
         async def refuse(request, tenant):
@@ -153,7 +194,10 @@ def routes(core, verify) -> list:
               web.post("/sandboxes/{id}/pause", pause),
               web.post("/sandboxes/{id}/resume", resume),
               web.post("/sandboxes/{id}/connect", connect),
-              web.post("/v2/sandboxes/{id}/connect", connect)]
+              web.post("/v2/sandboxes/{id}/connect", connect),
+              web.post("/sandboxes/{id}/fork", fork),
+              web.post("/sandboxes/{id}/snapshots", snapshot),
+              web.get("/snapshots", snapshots), web.delete("/templates/{id}", delete_snapshot)]
     for tail, what in SANDBOX_NOT_SERVED:
         served.append(web.route("*", "/sandboxes/{id}/%s{rest:.*}" % tail, refusing(what)))
         served.append(web.route("*", "/v2/sandboxes/{id}/%s{rest:.*}" % tail, refusing(what)))

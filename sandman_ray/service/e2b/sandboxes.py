@@ -1,7 +1,8 @@
 """E2B's sandboxes on the service's leases: what E2B's control plane asks (create, list,
-get, kill, set a timeout, connect, pause and resume) done with the service's own
-acquire, release, pause and resume, and the state E2B adds to a lease (its template,
-metadata, environment variables, end time and envd access token).
+get, kill, set a timeout, connect, pause and resume, fork and snapshots) done with the
+service's own acquire, release, pause, resume and snapshots, and the state E2B adds to
+a lease (its template, metadata, environment variables, end time and envd access
+token).
 
 An E2B sandbox is a lease of its tenant on the service's node, named by the lease's id.
 It ends at its end time (its ``timeout`` from its creation or last ``set_timeout``):
@@ -35,6 +36,7 @@ TEMPLATES = {"base": "builtin:code"}  # E2B template -> image (``--e2b-template`
 USER = "user"  # E2B's default user; the sandboxes of its templates run as it
 USER_SPEC = dict(user="1000:1000", workdir="/home/user")
 METADATA_MAX = 64  # entries of a sandbox's metadata or environment
+FORKS_MAX = 20  # sandboxes one fork makes, at most (E2B's bound)
 
 
 def _iso(wall: float) -> str:
@@ -109,6 +111,7 @@ class Sandboxes:
         self.host = host
         self.templates = dict(TEMPLATES, **(templates or {}))
         self.by_id: Dict[str, Sandbox] = {}
+        self.snapshot_sources: Dict[str, str] = {}  # snapshot -> the sandbox it was of
         self.renewer = asyncio.ensure_future(self._renew())
 
     def close(self) -> None:
@@ -133,15 +136,24 @@ class Sandboxes:
             raise Refusal(400, "", "auto-pause and auto-resume are not served by sandman: "
                           "pause and connect explicitly")
         template = body.get("templateID")
-        if not isinstance(template, str) or template not in self.templates:
-            raise Refusal(404, "", "template %r not found: this service serves %s" % (
-                template, ", ".join(sorted(self.templates))))
-        timeout_s = _timeout(body)
-        metadata, envs = _strings(body, "metadata"), _strings(body, "envVars")
+        image = self.templates.get(template) if isinstance(template, str) else None
+        if image is None and isinstance(template, str):  # or one of the tenant's snapshots
+            image = next((s["image"] for s in await self.host.snapshots_of(tenant)
+                          if s["name"] == template), None)
+        if image is None:
+            raise Refusal(404, "", "template %r not found: this service serves %s, and the "
+                          "tenant's snapshots" % (template, ", ".join(sorted(self.templates))))
         network = body.get("allowInternetAccess")
         if network is not None and not isinstance(network, bool):
             raise Refusal(400, "", "allowInternetAccess is true or false")
-        spec = SandboxSpec(image=self.templates[template], network=bool(network), **USER_SPEC)
+        return await self._start(tenant, template, image, _strings(body, "metadata"),
+                                 _strings(body, "envVars"), _timeout(body), bool(network),
+                                 request_id)
+
+    async def _start(self, tenant: str, template: str, image: str, metadata: Dict[str, str],
+                     envs: Dict[str, str], timeout_s: int, network: bool,
+                     request_id: Optional[str] = None) -> Sandbox:
+        spec = SandboxSpec(image=image, network=network, **USER_SPEC)
         lease = await self.host.acquire(tenant, spec, CREATE_WAIT_S, KEEPALIVE_S, request_id,
                                         self.host.node)
         box = self.by_id.get(lease["lease_id"][2:])
@@ -154,6 +166,54 @@ class Sandboxes:
                       timeout_s)
         self.by_id[box.id] = box
         return box
+
+    async def fork(self, tenant: str, sandbox_id: str, body: dict) -> list:
+        """``count`` new sandboxes (1 to FORKS_MAX) of the sandbox's files as they are
+        now, each with its template's name, metadata and environment: E2B's fork
+        results, each a sandbox or an error. Memory is not carried: a fork starts
+        afresh from the files, its processes not running."""
+        box = self.mine(tenant, sandbox_id)
+        count = body.get("count", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= FORKS_MAX:
+            raise Refusal(400, "", "count is a whole number from 1 to %d" % FORKS_MAX)
+        timeout_s = _timeout(body)
+        info = await self.host.snapshot(tenant, box.lease_id, None, True)
+        started = await asyncio.gather(*(
+            self._start(tenant, box.template, info["image"], box.metadata, box.envs,
+                        timeout_s, box.spec.network) for _ in range(count)),
+            return_exceptions=True)
+        out = []
+        for result in started:
+            if isinstance(result, Sandbox):
+                out.append({"sandbox": result.answer()})
+            elif isinstance(result, Refusal):
+                out.append({"error": {"code": result.status, "message": result.message}})
+            else:
+                out.append({"error": {"code": 500, "message": "%s: %s" % (
+                    type(result).__name__, result)}})
+        return out
+
+    async def snapshot(self, tenant: str, sandbox_id: str, body: dict) -> dict:
+        """A snapshot of the sandbox's files (E2B's ``SnapshotInfo``), which creates
+        name as their template; memory is not kept (E2B's ``filesystem`` mode)."""
+        box = self.mine(tenant, sandbox_id)
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            raise Refusal(400, "", "name is a string")
+        info = await self.host.snapshot(tenant, box.lease_id, name, False)
+        self.snapshot_sources[info["name"]] = box.id
+        return {"snapshotID": info["name"], "names": [info["name"]]}
+
+    async def snapshots(self, tenant: str, sandbox_id: Optional[str],
+                        name: Optional[str]) -> list:
+        return [{"snapshotID": s["name"], "names": [s["name"]]}
+                for s in await self.host.snapshots_of(tenant)
+                if not s.get("for_fork") and name in (None, s["name"]) and
+                sandbox_id in (None, self.snapshot_sources.get(s["name"]))]
+
+    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
+        await self.host.delete_snapshot(tenant, snapshot_id)
+        self.snapshot_sources.pop(snapshot_id, None)
 
     def mine(self, tenant: str, sandbox_id: str) -> Sandbox:
         box = self.by_id.get(sandbox_id)

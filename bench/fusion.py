@@ -13,17 +13,19 @@ at 64 at once >= 0.8x that limit.
 import argparse
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Callable, List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import pct, run_alone  # noqa: E402
+from common import cpu_ticks, pct, provider, run_alone  # noqa: E402
 
 PROGRAM = 'print("hello")'
 AT_ONCE = 64
@@ -69,6 +71,40 @@ def at_once(call: Callable[[], None], n: int) -> float:
         return n / (time.perf_counter() - started)
 
 
+def busy_ms_each(call: Callable[[], object], n: int) -> float:
+    """The machine's busy CPU (every process's) per call, in ms, over ``n`` calls."""
+    before = cpu_ticks()
+    call_n = [call() for _ in range(n)]
+    del call_n
+    return (cpu_ticks() - before) * 1e3 / os.sysconf("SC_CLK_TCK") / n
+
+
+def reset_floor(n: int = 100) -> dict:
+    """The floor of a fresh sandbox per request: the machine's CPU of one reset of a
+    builtin:code sandbox by its provider (no pool, no service, no Ray call of ours in
+    its path), beside the CPU of the program run on the host."""
+    import asyncio
+    from local import create_and_exec
+    from sandman_ray.spec import SandboxSpec
+    prov = provider().bind("bench-fusion-floor-" + uuid.uuid4().hex[:6])
+
+    async def measure() -> float:
+        sandbox_id, _, _ = await create_and_exec(prov, SandboxSpec(image="builtin:code"))
+        try:
+            for _ in range(5):
+                await prov.reset(sandbox_id)
+            before = cpu_ticks()
+            for _ in range(n):
+                await prov.reset(sandbox_id)
+            return (cpu_ticks() - before) * 1e3 / os.sysconf("SC_CLK_TCK") / n
+        finally:
+            await prov.delete(sandbox_id)
+    reset_ms = asyncio.run(measure())
+    program_ms = busy_ms_each(on_host, n)
+    return {"reset_cpu_ms": reset_ms, "program_cpu_ms": program_ms,
+            "most_over_host": program_ms / (program_ms + reset_ms)}
+
+
 def fusion(n: int = 200, burst: int = 640) -> dict:
     """``n`` one at a time and ``burst`` 64 at once, each way, in turns."""
     import service
@@ -85,6 +121,7 @@ def fusion(n: int = 200, burst: int = 640) -> dict:
                   "per_s_at_64": max(rates[name]), "rounds_per_s": rates[name]}
            for name in ways}
     out["run_code_over_host_at_64"] = out["run_code"]["per_s_at_64"] / out["host"]["per_s_at_64"]
+    out["reset_floor"] = reset_floor()
     return out
 
 
@@ -95,7 +132,12 @@ def rows(s: dict) -> List[tuple]:
             ("fusion", "/run_code at 64 at once: requests a second",
              "%.0f /s" % rc["per_s_at_64"],
              "%.2fx the host's %.0f /s (target >= 0.8x)" % (s["run_code_over_host_at_64"],
-                                                          host["per_s_at_64"]))]
+                                                          host["per_s_at_64"]))] + (
+        [("fusion", "  the floor of a reset per request: CPU of a reset, of the program",
+          "%.1f ms, %.1f ms" % (s["reset_floor"]["reset_cpu_ms"],
+                                s["reset_floor"]["program_cpu_ms"]),
+          "at most %.2fx the host's while a reset costs this"
+          % s["reset_floor"]["most_over_host"])] if "reset_floor" in s else [])
 
 
 def main() -> int:

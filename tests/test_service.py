@@ -265,6 +265,18 @@ def test_the_openapi_document_names_every_route(service):
     assert status == 404 and set(json.loads(body)["error"]) == {"type", "message"}
 
 
+def test_a_body_its_encoding_does_not_unpack_gets_a_400(service):
+    host, port = service["url"].rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/leases", body=b"not gzip at all",
+                 headers={"Authorization": "Bearer " + service["alice"],
+                          "Content-Encoding": "gzip"})
+    answer = conn.getresponse()
+    assert answer.status == 400
+    assert json.loads(answer.read())["error"]["type"] == "ValidationError"
+    conn.close()
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as sock:

@@ -5,6 +5,7 @@ the service speaks HTTP/1.1). Every sandbox is a lease of the tenant whose key t
 holds; when the tests are done, none is left."""
 
 import asyncio
+import io
 import os
 import threading
 
@@ -313,3 +314,20 @@ def test_forks_and_snapshots_carry_the_files(service):
         assert not e2b.Sandbox.delete_snapshot(snap.snapshot_id)
     finally:
         box.kill()
+
+
+def test_large_and_gzip_uploads_and_downloads_go_through_in_pieces(service, sandbox):
+    big = os.urandom(9 * 1024 * 1024 + 17)  # more than two of the service's 4 MiB pieces
+    sandbox.files.write("big.bin", big)
+    assert bytes(sandbox.files.read("big.bin", format="bytes")) == big
+    text = "line\n" * 200000
+    sandbox.files.write("packed.txt", io.BytesIO(text.encode()), gzip=True)
+    assert sandbox.files.read("packed.txt") == text
+    assert sandbox.commands.run("ls -a | grep -c e2b-upload || true").stdout.strip() == "0"
+    status, _, body = _e2b_call(service, "POST", "/files?path=bad.gz",
+                                body=b"not gzip at all",
+                                headers={"E2b-Sandbox-Id": sandbox.sandbox_id,
+                                         "X-Access-Token": sandbox._envd_access_token,
+                                         "Content-Type": "application/octet-stream",
+                                         "Content-Encoding": "gzip"})
+    assert status == 400 and b"could not be read" in body

@@ -29,6 +29,7 @@ import math
 from typing import Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from sandman_ray.errors import (
     AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError,
@@ -86,6 +87,9 @@ def app(core, verify) -> web.Application:
             if "Allow" in exc.headers:  # a 405 says which methods are (RFC 9110)
                 answer.headers["Allow"] = exc.headers["Allow"]
             return answer
+        except RequestPayloadError as exc:  # a body its Content-Encoding does not unpack
+            return error_response(400, "ValidationError", "the body could not be read: %s"
+                                  % exc)
         except ProviderError as exc:
             kind = 429 if exc.kind == "transient" else 422
             return error_response(kind, "ProviderError", str(exc),

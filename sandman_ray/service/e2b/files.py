@@ -12,6 +12,7 @@ import stat as stat_module
 import time
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.multipart import parse_content_disposition
 
 from sandman_ray.errors import DaemonError
@@ -22,6 +23,7 @@ from sandman_ray.service.e2b.envd import (
 from sandman_ray.service.e2b.sandboxes import USER
 
 UPLOAD_MAX = 1 << 30
+CHUNK = 4 * 1024 * 1024  # what an upload or a download holds in memory at once
 FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
               "symlink": "FILE_TYPE_SYMLINK"}
 EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
@@ -152,19 +154,40 @@ class Files(EnvdPart):
         return await self._unary(request, removed)
 
     async def download(self, request):
+        """``/files``: the file, streamed CHUNK bytes at a time (never whole in memory)."""
+        response = None
         try:
             box, client = await self._sandbox(request)
             path = _path(request.query.get("path"))
-            data = await client.read_file(path)
+            st = await client.stat(path, follow_symlinks=True)
+            if st.type != "file":
+                raise invalid("%s is a %s, not a file" % (path, st.type))
+            offset = 0
+            while True:
+                data = await client.read_file(path, offset, CHUNK)
+                if response is None:
+                    response = web.StreamResponse(headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Disposition": "attachment; filename=%s"
+                        % posixpath.basename(path)})
+                    await response.prepare(request)
+                offset += len(data)
+                if data:
+                    await response.write(data)
+                if len(data) < CHUNK:
+                    break
         except Exception as exc:  # noqa: BLE001
+            if response is not None:  # cut short: the client sees the length unmet
+                raise
             return _http_error(_rpc_error(exc))
-        return web.Response(body=data, content_type="application/octet-stream",
-                            headers={"Content-Disposition": "attachment; filename=%s"
-                                     % posixpath.basename(path)})
+        await response.write_eof()
+        return response
 
     async def upload(self, request):
-        """``/files``: one file in an octet-stream body (``path`` in the query), or
-        files in a multipart body (each part's filename its path)."""
+        """``/files``: one file in an octet-stream body (``path`` in the query; gzip
+        too, unpacked by aiohttp a bounded piece at a time), or files in a multipart body (each part's filename its path); each
+        written as it comes, CHUNK bytes at a time, beside its path and then moved into
+        place."""
         try:
             box, client = await self._sandbox(request)
             written = []
@@ -177,27 +200,41 @@ class Files(EnvdPart):
                         part.headers.get("Content-Disposition"))
                     name = request.query.get("path") if "path" in request.query else \
                         params.get("filename")
-                    written.append(await self._write(client, _path(name), part.read_chunk))
+                    written.append(await _write(client, _path(name), part.read_chunk))
             else:
-                if request.headers.get("Content-Encoding", "identity") not in ("identity", "gzip"):
-                    raise invalid("uploads are plain or gzip")
-                read = request.content.read
-                if request.headers.get("Content-Encoding") == "gzip":
-                    import zlib
-                    data = zlib.decompress(await _read_all(read), 16 + zlib.MAX_WBITS)
-                    chunks = [data]
-
-                    async def read(_n=0):
-                        return chunks.pop() if chunks else b""
-                written.append(await self._write(client, _path(request.query.get("path")), read))
+                read = request.content.read  # (a gzip body arrives unpacked, in pieces)
+                written.append(await _write(client, _path(request.query.get("path")), read))
+        except RequestPayloadError as exc:  # a body that its encoding does not unpack
+            return _http_error(invalid("the body could not be read: %s" % exc))
         except Exception as exc:  # noqa: BLE001
             return _http_error(_rpc_error(exc))
         return web.json_response(written)
 
-    async def _write(self, client, path: str, read) -> dict:
-        data = await _read_all(read)
-        await client.write_file(path, data, parents=True)
-        return {"name": posixpath.basename(path), "type": "file", "path": path}
+
+async def _write(client, path: str, read) -> dict:
+    """Write what ``read(n)`` gives, to its end, to ``path``: beside it first, then moved
+    into place (a reader of ``path`` never sees half of it)."""
+    beside = "%s.e2b-upload-%s" % (path, secrets.token_hex(6))
+    size, first = 0, True
+    try:
+        while True:
+            chunk = await read(CHUNK)
+            if not chunk and not first:
+                break
+            size += len(chunk)
+            if size > UPLOAD_MAX:
+                raise RpcError("resource_exhausted", "an upload is at most %d bytes"
+                               % UPLOAD_MAX)
+            await client.write_file(beside, chunk, parents=True, append=not first)
+            first = False
+        await client.move(beside, path)
+    except BaseException:
+        try:
+            await client.remove(beside, missing_ok=True)
+        except Exception:  # noqa: BLE001 - the sandbox went; its files with it
+            pass
+        raise
+    return {"name": posixpath.basename(path), "type": "file", "path": path}
 
 
 class Watch:
@@ -287,18 +324,6 @@ def _entry(st, path: str) -> dict:
 _TYPE_BITS = {"file": stat_module.S_IFREG, "dir": stat_module.S_IFDIR,
               "symlink": stat_module.S_IFLNK}
 _NAMES = {0: "root", 1000: USER}
-
-
-async def _read_all(read) -> bytes:
-    chunks, size = [], 0
-    while True:
-        chunk = await read(1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > UPLOAD_MAX:
-            raise RpcError("resource_exhausted", "an upload is at most %d bytes" % UPLOAD_MAX)
-        chunks.append(chunk)
 
 
 def _http_error(error: RpcError) -> web.Response:

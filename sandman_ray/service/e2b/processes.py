@@ -15,6 +15,7 @@ from sandman_ray.service.e2b.sandboxes import USER
 
 PROC_BUFFER = 4 * 1024 * 1024  # each stream's ring in the daemon: what a reconnect finds
 KEEPALIVE = {"event": {"keepalive": {}}}
+PROCS_KEPT = 1024  # processes a sandbox's record names before those that ended go
 
 
 class Processes(EnvdPart):
@@ -43,6 +44,11 @@ class Processes(EnvdPart):
             env = dict(box.envs, HOME=HOME, USER=USER, **envs)
             cwd = _path(connect.text(config, "cwd", None) or HOME, "process.cwd")
             argv = [cmd] + args
+            if len(box.procs) >= PROCS_KEPT:  # forget those that ended
+                alive = {p.pid for p in await client.proc_list() if p.running}
+                alive |= {t["pid"] for t in await client.pty_list() if t["running"]}
+                for gone in set(box.procs) - alive:
+                    del box.procs[gone]
             pty = message.get("pty")
             if pty is not None:
                 size = (pty.get("size") or {}) if isinstance(pty, dict) else None

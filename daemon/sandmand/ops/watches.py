@@ -72,23 +72,26 @@ class Watcher:
         loop.add_reader(self.fd, self._ready)
 
     def _add(self, path, rel):
-        if len(self.dirs) >= MAX_WATCHED_DIRS:
-            return
-        wd = self.call("inotify_add_watch", self.fd, os.fsencode(path), MASK)
-        if wd < 0:
-            if not rel:
-                raise RequestError("LimitExceeded", "%s could not be watched (the limit of "
-                                   "watches is reached)" % path)
-            return  # a subdirectory gone meanwhile, or past the limit: not followed
-        self.dirs[wd] = rel
-        if self.recursive:
+        """Watch ``path`` (and, if recursive, the directories below it, breadth first,
+        without recursion: a tree may be deeper than Python's stack)."""
+        todo = [(path, rel)]
+        while todo and len(self.dirs) < MAX_WATCHED_DIRS:
+            path, rel = todo.pop(0)
+            wd = self.call("inotify_add_watch", self.fd, os.fsencode(path), MASK)
+            if wd < 0:
+                if not self.dirs:
+                    raise RequestError("LimitExceeded", "%s could not be watched (the limit "
+                                       "of watches is reached)" % path)
+                continue  # a subdirectory gone meanwhile, or past the limit: not followed
+            self.dirs[wd] = rel
+            if not self.recursive:
+                continue
             try:
                 entries = list(os.scandir(path))
             except OSError:
-                return
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    self._add(entry.path, os.path.join(rel, entry.name))
+                continue
+            todo += [(e.path, os.path.join(rel, e.name)) for e in entries
+                     if e.is_dir(follow_symlinks=False)]
 
     def _ready(self):
         try:

@@ -6,6 +6,7 @@ holds; when the tests are done, none is left."""
 
 import asyncio
 import io
+import json
 import os
 import threading
 
@@ -331,3 +332,25 @@ def test_large_and_gzip_uploads_and_downloads_go_through_in_pieces(service, sand
                                          "Content-Type": "application/octet-stream",
                                          "Content-Encoding": "gzip"})
     assert status == 400 and b"could not be read" in body
+
+
+def test_envd_fields_of_the_wrong_type_are_refused_not_raised_on(service, sandbox):
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": sandbox._envd_access_token,
+               "Content-Type": "application/json"}
+    pid = sandbox.commands.run("sleep 30", background=True).pid
+    for path, body in (
+            ("/process.Process/SendSignal", {"process": {"pid": pid}, "signal": [9]}),
+            ("/process.Process/Update", {"process": {"pid": pid}, "pty": "wide"}),
+            ("/process.Process/SendInput", {"process": {"pid": "x"}, "input": {"stdin": "eA"}}),
+            ("/process.Process/SendInput", {"process": {"pid": pid}, "input": {"stdin": 7}}),
+            ("/filesystem.Filesystem/ListDir", {"path": "/", "depth": "deep"}),
+            ("/filesystem.Filesystem/GetWatcherEvents", {"watcherId": ["a"]}),
+            ("/filesystem.Filesystem/Stat", {"path": ["/etc"]})):
+        status, _, answer = _e2b_call(service, "POST", path, body=json.dumps(body).encode(),
+                                      headers=headers)
+        assert 400 <= status < 500 and b'"code": "' in answer, (path, body, status, answer)
+    sandbox.commands.kill(pid)
+    status, _, answer = _e2b_call(service, "POST", "/sandboxes/%s/timeout" % sandbox.sandbox_id,
+                                  body=b'{"timeout": null}')
+    assert status == 400 and b"timeout" in answer
+    assert sandbox.is_running()

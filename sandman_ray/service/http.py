@@ -268,7 +268,7 @@ def fusion_routes(core, verify) -> list:
             return refused(401, "no valid API key")
         if request.content_length is not None and request.content_length > fusion.REQUEST_MAX:
             return refused(413, "a request is at most %d bytes" % fusion.REQUEST_MAX)
-        data = await request.content.read(fusion.REQUEST_MAX + 1)
+        data = await read_at_most(request, fusion.REQUEST_MAX)
         if len(data) > fusion.REQUEST_MAX:
             return refused(413, "a request is at most %d bytes" % fusion.REQUEST_MAX)
         try:
@@ -287,6 +287,19 @@ def fusion_routes(core, verify) -> list:
 
     return [web.post("/fusion/{key}/run_code", run_code), web.get("/fusion/{key}/v1/ping", ping),
             web.post(FUSION_PATHS[0], run_code), web.get(FUSION_PATHS[1], ping)]
+
+
+async def read_at_most(request, limit: int) -> bytes:
+    """The request's body, read to its end or to one byte past ``limit`` (a read of the
+    stream gives what has arrived, not always all that was sent)."""
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = await request.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 async def _body(request) -> dict:

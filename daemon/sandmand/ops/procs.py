@@ -119,19 +119,21 @@ class ProcessOps:
         if proc.stdin is None:
             raise RequestError("StdinClosed", "process %d has no open stdin (spawned without "
                                "stdin_open, or it was closed)" % proc.pid)
-        async with proc.stdin_lock:
-            try:
-                if data and proc.stdin is not None:
-                    await write_pipe(self.loop, proc.stdin, data)
-            except OSError as exc:  # EPIPE: it closed its stdin or exited
-                proc.close_pending = True
-                raise RequestError("StdinClosed", "process %d stopped reading its stdin (%s)"
-                                   % (proc.pid, exc.strerror))
-            finally:
-                if field(req, "close", False):
+        try:
+            async with proc.stdin_lock:
+                try:
+                    if data and proc.stdin is not None:
+                        await write_pipe(self.loop, proc.stdin, data)
+                except OSError as exc:  # EPIPE: it closed its stdin or exited
                     proc.close_pending = True
-        if proc.close_pending:
-            proc.close_stdin()
+                    raise RequestError("StdinClosed", "process %d stopped reading its stdin "
+                                       "(%s)" % (proc.pid, exc.strerror))
+                finally:
+                    if field(req, "close", False):
+                        proc.close_pending = True
+        finally:  # (after the lock: a close waits for the write under way)
+            if proc.close_pending:
+                proc.close_stdin()
         return {"written": len(data)}
 
     def op_proc_signal(self, req):

@@ -12,6 +12,7 @@ IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR, IN_ISDIR = 0x4000, 0x8000, 0x01000000, 0x40000000
+IN_DONT_FOLLOW = 0x02000000
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
 MASK = (IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE |
         IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR)
@@ -77,7 +78,9 @@ class Watcher:
         todo = [(path, rel)]
         while todo and len(self.dirs) < MAX_WATCHED_DIRS:
             path, rel = todo.pop(0)
-            wd = self.call("inotify_add_watch", self.fd, os.fsencode(path), MASK)
+            # below the root, a directory swapped for a symlink is not followed
+            wd = self.call("inotify_add_watch", self.fd, os.fsencode(path),
+                           MASK | (IN_DONT_FOLLOW if self.dirs else 0))
             if wd < 0:
                 if not self.dirs:
                     raise RequestError("LimitExceeded", "%s could not be watched (the limit "

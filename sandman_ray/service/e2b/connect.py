@@ -78,7 +78,8 @@ async def unary_request(request) -> dict:
     if _content_type(request) != JSON:
         raise RpcError("unimplemented", "unary calls are served in JSON (application/json), "
                        "not %r" % _content_type(request))
-    data = await request.content.read(MESSAGE_MAX + 1)
+    from sandman_ray.service.http import read_at_most
+    data = await read_at_most(request, MESSAGE_MAX)
     if len(data) > MESSAGE_MAX:
         raise RpcError("resource_exhausted", "a message is at most %d bytes" % MESSAGE_MAX)
     return _message(data)

@@ -78,7 +78,9 @@ def _rpc_error(exc: Exception) -> RpcError:
         return RpcError("unavailable", str(exc))
     if isinstance(exc, SandmanError):  # the daemon's connection lost: the sandbox ended
         return RpcError("unavailable", "the sandbox was not found: %s" % exc)
-    raise exc
+    if isinstance(exc, (TypeError, ValueError, KeyError, AttributeError)):
+        return invalid("a field is not of its type: %s: %s" % (type(exc).__name__, exc))
+    return RpcError("internal", "%s: %s" % (type(exc).__name__, exc))
 
 
 class EnvdPart:
@@ -101,8 +103,8 @@ class EnvdPart:
 
     async def _unary(self, request, work) -> web.Response:
         try:
+            box, client = await self._sandbox(request)  # its token before its body
             message = await connect.unary_request(request)
-            box, client = await self._sandbox(request)
             return web.json_response(await work(box, client, message))
         except Exception as exc:  # noqa: BLE001 - in Connect's shape, or raised on
             return connect.error_response(_rpc_error(exc))
@@ -112,14 +114,18 @@ async def relay(response, events, request, keepalive: dict) -> None:
     """Write each message of ``events`` (an async iterator) to the stream ``response``
     as it comes, and a keepalive whenever none came for the interval the client asked
     (``Keepalive-Ping-Interval``): the message ``keepalive``."""
-    every = float(request.headers.get("Keepalive-Ping-Interval") or KEEPALIVE_DEFAULT_S)
+    try:
+        every = float(request.headers.get("Keepalive-Ping-Interval") or KEEPALIVE_DEFAULT_S)
+    except ValueError:
+        every = KEEPALIVE_DEFAULT_S
+    every = min(max(every, 1.0), 600.0) if every == every else KEEPALIVE_DEFAULT_S
     pending = None
     events = events.__aiter__()
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(events.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=max(1.0, every))
+            done, _ = await asyncio.wait({pending}, timeout=every)
             if not done:
                 await response.write(connect.envelope(keepalive))
                 continue
@@ -130,8 +136,12 @@ async def relay(response, events, request, keepalive: dict) -> None:
             pending = None
             await response.write(connect.envelope(message))
     finally:
-        if pending is not None:
+        if pending is not None:  # its end first: a running generator cannot be closed
             pending.cancel()
+            try:
+                await pending
+            except BaseException:  # noqa: BLE001 - cancelled, or ended meanwhile
+                pass
         await events.aclose()
 
 

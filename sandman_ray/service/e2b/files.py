@@ -32,7 +32,8 @@ EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
 HTTP_STATUS = {"not_found": 404, "already_exists": 409, "permission_denied": 403,
                "invalid_argument": 400, "resource_exhausted": 507, "unavailable": 502}
 WATCH_EVENTS_MAX = 10000  # events a polled watcher keeps until they are fetched
-WATCHERS_MAX = 64  # polled watchers of one sandbox
+WATCHERS_MAX = 64  # watches of one sandbox, polled and streamed
+LIST_MAX = 100000  # entries of one ListDir
 KEEPALIVE = {"keepalive": {}}
 
 
@@ -64,6 +65,9 @@ class Files(EnvdPart):
             for _ in range(depth):
                 deeper = []
                 for where in level:
+                    if len(found) > LIST_MAX:
+                        raise RpcError("resource_exhausted", "a listing holds at most %d "
+                                       "entries: list less deep" % LIST_MAX)
                     for st in await client.list_dir(where):
                         name = st.name if isinstance(st.name, str) else st.name.decode(
                             errors="replace")
@@ -108,15 +112,21 @@ class Files(EnvdPart):
         response = None
         error = None
         try:
+            box, client = await self._sandbox(request)  # its token before its body
             message = await connect.stream_request(request)
-            box, client = await self._sandbox(request)
-            watch = await Watch.start(client, message)
+            watcher_id = _reserve(box)  # a streamed watch counts as a polled one does
+            try:
+                watch = box.watchers[watcher_id] = await Watch.start(client, message)
+            except BaseException:
+                box.watchers.pop(watcher_id, None)
+                raise
             try:
                 response = await stream_response(request)
                 await response.write(connect.envelope({"start": {}}))
                 await relay(response, watch.follow(), request, KEEPALIVE)
             finally:
                 watch.stop()
+                box.watchers.pop(watcher_id, None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -129,12 +139,12 @@ class Files(EnvdPart):
 
     async def create_watcher(self, request):
         async def created(box, client, message):
-            if len(box.watchers) >= WATCHERS_MAX:
-                raise RpcError("resource_exhausted", "a sandbox holds at most %d watchers"
-                               % WATCHERS_MAX)
-            watch = await Watch.start(client, message)
-            watcher_id = secrets.token_hex(8)
-            box.watchers[watcher_id] = watch
+            watcher_id = _reserve(box)
+            try:
+                box.watchers[watcher_id] = await Watch.start(client, message)
+            except BaseException:
+                box.watchers.pop(watcher_id, None)
+                raise
             return {"watcherId": watcher_id}
         return await self._unary(request, created)
 
@@ -297,8 +307,20 @@ class Watch:
         self.task.cancel()
 
 
+def _reserve(box) -> str:
+    """A new watcher's id, its place in the sandbox's watchers held (None until it
+    starts), or resource_exhausted at WATCHERS_MAX."""
+    if len(box.watchers) >= WATCHERS_MAX:
+        raise RpcError("resource_exhausted", "a sandbox holds at most %d watches"
+                       % WATCHERS_MAX)
+    watcher_id = secrets.token_hex(8)
+    box.watchers[watcher_id] = None
+    return watcher_id
+
+
 def _watcher(box, message: dict) -> Watch:
-    watch = box.watchers.get(message.get("watcherId"))
+    watcher_id = message.get("watcherId")
+    watch = box.watchers.get(watcher_id) if isinstance(watcher_id, str) else None
     if watch is None:
         raise RpcError("not_found", "watcher %r not found" % message.get("watcherId"))
     return watch

@@ -41,9 +41,14 @@ class Processes(EnvdPart):
             envs = config.get("envs") or {}
             if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
                 raise invalid("process.envs is an object of strings")
-            env = dict(box.envs, HOME=HOME, USER=USER, **envs)
+            env = dict(box.envs, HOME=HOME, USER=USER)
+            env.update(envs)
             cwd = _path(connect.text(config, "cwd", None) or HOME, "process.cwd")
             argv = [cmd] + args
+            # what List tells of it: the config's own fields, not whatever else was sent
+            kept = {"cmd": cmd, "args": args, "envs": envs}
+            if config.get("cwd") is not None:
+                kept["cwd"] = cwd
             if len(box.procs) >= PROCS_KEPT:  # forget those that ended
                 alive = {p.pid for p in await client.proc_list() if p.running}
                 alive |= {t["pid"] for t in await client.pty_list() if t["running"]}
@@ -51,20 +56,18 @@ class Processes(EnvdPart):
                     del box.procs[gone]
             pty = message.get("pty")
             if pty is not None:
-                size = (pty.get("size") or {}) if isinstance(pty, dict) else None
-                if not isinstance(size, dict):
-                    raise invalid("pty.size is an object")
-                opened = await client.pty_open(argv, cols=int(size.get("cols") or 80),
-                                               rows=int(size.get("rows") or 24), cwd=cwd,
+                cols, rows = _size(pty)
+                opened = await client.pty_open(argv, cols=cols, rows=rows, cwd=cwd,
                                                env=env, buffer_bytes=PROC_BUFFER)
                 pid = opened["pid"]
-                box.procs[pid] = {"config": config, "pty": opened["pty"]}
+                box.procs[pid] = {"config": kept, "pty": opened["pty"]}
             else:
                 pid = await client.spawn(argv, cwd=cwd, env=env, buffer_bytes=PROC_BUFFER,
                                          stdin_open=bool(message.get("stdin")) or None)
-                box.procs[pid] = {"config": config, "pty": None}
+                box.procs[pid] = {"config": kept, "pty": None}
             if message.get("tag"):
-                box.procs[pid]["tag"] = connect.text(message, "tag")
+                tag = connect.text(message, "tag")
+                box.procs[pid]["tag"] = tag[:256]
             return pid
         return await self._stream(request, begin, kill_at_deadline=True)
 
@@ -81,9 +84,9 @@ class Processes(EnvdPart):
         response = None
         error = None
         try:
+            box, client = await self._sandbox(request)  # its token before its body
             message = await connect.stream_request(request)
             deadline = connect.timeout_s(request)
-            box, client = await self._sandbox(request)
             pid = await begin(box, client, message)
             record = box.procs.get(pid, {})
             response = await stream_response(request)
@@ -228,8 +231,9 @@ class Processes(EnvdPart):
     async def send_signal(self, request):
         async def signal(box, client, message):
             pid = self._pid_of(box, message.get("process"))
+            asked = message.get("signal")
             sig = {"SIGNAL_SIGKILL": "KILL", "SIGNAL_SIGTERM": "TERM", 9: "KILL",
-                   15: "TERM"}.get(message.get("signal"))
+                   15: "TERM"}.get(asked) if isinstance(asked, (str, int)) else None
             if sig is None:
                 raise invalid("signal is SIGNAL_SIGKILL or SIGNAL_SIGTERM")
             record = box.procs[pid]
@@ -253,14 +257,22 @@ class Processes(EnvdPart):
     async def update(self, request):
         async def resize(box, client, message):
             pid = self._pid_of(box, message.get("process"))
-            size = ((message.get("pty") or {}).get("size") or {})
+            cols, rows = _size(message.get("pty"))
             record = box.procs[pid]
             if not record.get("pty"):
                 raise invalid("process %d has no terminal" % pid)
-            await client.pty_resize(record["pty"], int(size.get("cols") or 80),
-                                    int(size.get("rows") or 24))
+            await client.pty_resize(record["pty"], cols, rows)
             return {}
         return await self._unary(request, resize)
+
+
+def _size(pty) -> tuple:
+    """(cols, rows) of a PTY message."""
+    size = pty.get("size") if isinstance(pty, dict) else None
+    if not isinstance(size, dict):
+        raise invalid("pty is {size: {cols, rows}}")
+    return (connect.integer(size.get("cols") or 80, "pty.size.cols", 1, 1000),
+            connect.integer(size.get("rows") or 24, "pty.size.rows", 1, 1000))
 
 
 def _signal_name(sig) -> str:

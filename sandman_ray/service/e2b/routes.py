@@ -29,7 +29,7 @@ from aiohttp import web
 
 from sandman_ray.errors import ProviderError, SandmanError, SnapshotInUse
 from sandman_ray.service.e2b import envd
-from sandman_ray.service.http import BODY_MAX, Refusal, tenant_by_key
+from sandman_ray.service.http import BODY_MAX, Refusal, read_at_most, tenant_by_key
 
 CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/templates", "/volumes", "/secrets",
                     "/snapshots", "/default-templates", "/teams")
@@ -95,7 +95,7 @@ def routes(core, verify) -> list:
         return answer
 
     async def body_of(request) -> dict:
-        data = await request.content.read(BODY_MAX + 1)
+        data = await read_at_most(request, BODY_MAX)
         if len(data) > BODY_MAX:
             raise Refusal(413, "", "a body is at most %d bytes" % BODY_MAX)
         try:

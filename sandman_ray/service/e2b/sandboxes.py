@@ -182,6 +182,11 @@ class Sandboxes:
             self._start(tenant, box.template, info["image"], box.metadata, box.envs,
                         timeout_s, box.spec.network) for _ in range(count)),
             return_exceptions=True)
+        if not any(isinstance(result, Sandbox) for result in started):
+            try:  # no fork started: its snapshot would wait for one for good
+                await self.host.delete_snapshot(tenant, info["name"])
+            except Exception:  # noqa: BLE001 - the pool's word; the forks' errors say why
+                pass
         out = []
         for result in started:
             if isinstance(result, Sandbox):
@@ -233,7 +238,11 @@ class Sandboxes:
 
     async def set_timeout(self, tenant: str, sandbox_id: str, body: dict) -> None:
         box = self.mine(tenant, sandbox_id)
-        box.end = time.time() + _timeout(body, None) if "timeout" in body else box.end
+        timeout_s = _timeout(body, None)
+        if timeout_s is None:
+            raise Refusal(400, "", "timeout is a whole number of seconds from 0 to %d"
+                          % TIMEOUT_MAX_S)
+        box.end = time.time() + timeout_s
 
     async def pause(self, tenant: str, sandbox_id: str) -> None:
         box = self.mine(tenant, sandbox_id)
@@ -265,13 +274,21 @@ class Sandboxes:
 
     async def client_of(self, box: Sandbox):
         """The sandbox's daemon, connected once (its first envd call)."""
-        if box.client is not None:
+        if box.client is not None and not box.client.closed:
             return box.client
+        if box.client is not None:  # its connection was lost: a new one
+            box.client, box.connecting = None, None
         if box.connecting is None:
             from sandman_ray.client.aio import AsyncDaemonClient
             box.connecting = asyncio.ensure_future(AsyncDaemonClient.connect(
                 box.lease.address, box.lease.token, hello_first=False))
-        client = await asyncio.shield(box.connecting)
+        connecting = box.connecting
+        try:
+            client = await asyncio.shield(connecting)
+        except BaseException:
+            if box.connecting is connecting and connecting.done():
+                box.connecting = None  # the next call tries again
+            raise
         if box.client is None:
             box.client = client
         return box.client
@@ -283,7 +300,8 @@ class Sandboxes:
         if box is None:
             return
         for watch in box.watchers.values():
-            watch.stop()
+            if watch is not None:
+                watch.stop()
         if box.client is not None:
             box.client.close()
 

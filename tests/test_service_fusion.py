@@ -152,10 +152,10 @@ def test_a_grpo_batch_of_rewards_leaves_no_lease_open(fusion):
     programs = ["n = int(input()); print(n * n)" if i % 2 else "n = int(input()); print(n + n)"
                 for i in range(64)]
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda p: check_correctness(url, cases, p, timeout=10)[0],
+        answers = list(pool.map(lambda p: check_correctness(url, cases, p, timeout=10),
                                 programs))
-    for i, result in enumerate(results):
+    for i, (result, metadata) in enumerate(answers):  # (metadata: what went wrong, if)
         assert result == ([True] * 8 if i % 2 else [n * n == n + n for n in range(8)]), \
-            (i, result)
+            (i, result, [m for m, r in zip(metadata, result) if r is not True and r is not False])
     assert connect(fusion["url"], fusion["alice"]).leases() == []
     wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)

@@ -33,7 +33,7 @@ from sandman_ray.host import HOST_CALLS, _HandleHost
 from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
-from sandman_ray.service.http import Refusal
+from sandman_ray.service.answers import Refusal
 from sandman_ray.service.gateways import (onward_context, serve_at_normal_priority,
                                           server_context, start_gateway, stop_gateways)
 from sandman_ray.service.relay import Gateway, Held, Refused, admitting

@@ -34,22 +34,12 @@ from aiohttp.web_protocol import RequestPayloadError
 from sandman_ray.errors import (
     AcquireTimeout, LeaseEnded, LeaseNotHeld, ProviderError, SandboxLost, SandmanError,
     SnapshotInUse)
+from sandman_ray.service.answers import BODY_MAX, Refusal, read_at_most, tenant_by_key
+from sandman_ray.service.e2b.routes import e2b_path as _e2b_which, routes as _e2b_routes
 from sandman_ray.spec import SandboxSpec, number_in
 
-BODY_MAX = 64 * 1024
 TIMEOUT_MAX_S = 600.0
 KEEP_MAX = 1000  # lease ids in one keepalive
-
-
-class Refusal(Exception):
-    """An answer other than success: its status, error type and message, and the
-    seconds after which to try again (429)."""
-
-    def __init__(self, status: int, kind: str, message: str,
-                 retry_after: Optional[float] = None):
-        super().__init__(message)
-        self.status, self.kind, self.message, self.retry_after = \
-            status, kind, message, retry_after
 
 
 def error_response(status: int, kind: str, message: str,
@@ -200,7 +190,7 @@ def app(core, verify) -> web.Application:
 
     application = web.Application(middlewares=[errors, auth], client_max_size=BODY_MAX)
     application.add_routes(fusion_routes(core, verify))
-    application.add_routes(e2b_routes(core, verify))
+    application.add_routes(_e2b_routes(core, verify))
     application.add_routes([
         web.post("/v1/leases", acquire), web.get("/v1/leases", leases),
         web.get("/v1/leases/{id}", one), web.delete("/v1/leases/{id}", release),
@@ -217,31 +207,13 @@ FUSION_PATHS = ("/run_code", "/v1/ping")  # SandboxFusion's, with Authorization:
 
 
 def e2b_path(path: str) -> bool:
-    from sandman_ray.service.e2b.routes import e2b_path as which
-    return which(path) is not None
-
-
-def e2b_routes(core, verify) -> list:
-    """E2B's control plane and envd (service/e2b)."""
-    from sandman_ray.service.e2b.routes import routes
-    return routes(core, verify)
+    """Whether ``path`` is one of E2B's routes (service/e2b: its shapes, its keys)."""
+    return _e2b_which(path) is not None
 
 
 def fusion_path(path: str) -> bool:
     """Whether ``path`` is one of SandboxFusion's routes (its own shapes, its own keys)."""
     return path in FUSION_PATHS or path.startswith("/fusion/")
-
-
-async def tenant_by_key(core, verify, request, key: Optional[str]) -> Optional[str]:
-    """The tenant of ``key``, else of the request's ``Authorization: Bearer`` key; None
-    (and the failure counted against its address) when neither is live."""
-    if key is None:
-        header = request.headers.get("Authorization", "")
-        key = header[len("Bearer "):] if header.startswith("Bearer ") else None
-    tenant = verify(key) if key else None
-    if tenant is None:
-        await core.failed_key(request.remote)
-    return tenant
 
 
 def fusion_routes(core, verify) -> list:
@@ -287,19 +259,6 @@ def fusion_routes(core, verify) -> list:
 
     return [web.post("/fusion/{key}/run_code", run_code), web.get("/fusion/{key}/v1/ping", ping),
             web.post(FUSION_PATHS[0], run_code), web.get(FUSION_PATHS[1], ping)]
-
-
-async def read_at_most(request, limit: int) -> bytes:
-    """The request's body, read to its end or to one byte past ``limit`` (a read of the
-    stream gives what has arrived, not always all that was sent)."""
-    chunks, size = [], 0
-    while size <= limit:
-        chunk = await request.content.read(limit + 1 - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 async def _body(request) -> dict:

@@ -16,6 +16,8 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
+from sandman_ray.service.answers import read_at_most
+
 JSON = "application/json"
 STREAM_JSON = "application/connect+json"
 END_STREAM = 0x02
@@ -78,7 +80,6 @@ async def unary_request(request) -> dict:
     if _content_type(request) != JSON:
         raise RpcError("unimplemented", "unary calls are served in JSON (application/json), "
                        "not %r" % _content_type(request))
-    from sandman_ray.service.http import read_at_most
     data = await read_at_most(request, MESSAGE_MAX)
     if len(data) > MESSAGE_MAX:
         raise RpcError("resource_exhausted", "a message is at most %d bytes" % MESSAGE_MAX)

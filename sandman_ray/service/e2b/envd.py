@@ -151,16 +151,13 @@ async def stream_response(request) -> web.StreamResponse:
     return response
 
 
-def routes(sandboxes) -> list:
-    """envd's routes: its two services, /files and /health."""
-    from sandman_ray.service.e2b.files import Files
-    from sandman_ray.service.e2b.processes import Processes
-
-    async def health(request):
+def health(sandboxes):
+    """``/health``: 204 while the sandbox (by its id and token) is there, else 502 with
+    the words the SDK reads as "not found"."""
+    async def answer(request):
         try:
             sandboxes.for_envd(sandbox_id_of(request), request.headers.get("X-Access-Token"))
         except LookupError as exc:
             return web.json_response({"message": "%s; it was not found" % exc}, status=502)
         return web.Response(status=204)
-    return (Processes(sandboxes).routes() + Files(sandboxes).routes() +
-            [web.get("/health", health)])
+    return answer

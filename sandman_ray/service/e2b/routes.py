@@ -29,7 +29,9 @@ from aiohttp import web
 
 from sandman_ray.errors import ProviderError, SandmanError, SnapshotInUse
 from sandman_ray.service.e2b import envd
-from sandman_ray.service.http import BODY_MAX, Refusal, read_at_most, tenant_by_key
+from sandman_ray.service.e2b.files import Files
+from sandman_ray.service.e2b.processes import Processes
+from sandman_ray.service.answers import BODY_MAX, Refusal, read_at_most, tenant_by_key
 
 CONTROL_PREFIXES = ("/sandboxes", "/v2/", "/v3/", "/templates", "/volumes", "/secrets",
                     "/snapshots", "/default-templates", "/teams")
@@ -203,4 +205,5 @@ def routes(core, verify) -> list:
         served.append(web.route("*", "/v2/sandboxes/{id}/%s{rest:.*}" % tail, refusing(what)))
     for prefix, what in NOT_SERVED:
         served.append(web.route("*", prefix + "{rest:.*}", refusing(what)))
-    return served + envd.routes(sandboxes)
+    return (served + Processes(sandboxes).routes() + Files(sandboxes).routes() +
+            [web.get("/health", envd.health(sandboxes))])

@@ -19,7 +19,7 @@ import time
 from typing import Dict, Optional
 
 from sandman_ray import touches
-from sandman_ray.service.http import Refusal
+from sandman_ray.service.answers import Refusal
 from sandman_ray.spec import SandboxSpec, parse_bytes
 
 # The envd version a create answers: the SDK turns on the features of every version up

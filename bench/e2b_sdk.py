@@ -7,7 +7,8 @@ sandman's client through the service's data plane, on sandboxes of the same imag
 pool, in interleaved batches. Issue 50's target: E2B's p50 <= 1.5x ours. The SDK runs
 every command as ``/bin/bash -l -c <cmd>``, a login shell whose profile (Debian's
 /etc/profile runs ``id`` in a subshell) costs more than ``true`` itself; the same
-command line by sandman's exec is measured beside, the floor of any E2B server.
+command line by sandman's exec is measured beside, the floor of any E2B server; and the
+SDK itself against a server that answers every Start at once (``stub_envd``).
 
     python bench/e2b_sdk.py [--batches 40] [--per 25]     (or make bench: its service section)
 """
@@ -30,6 +31,59 @@ IMAGE = "builtin:code"  # E2B's base template
 LOGIN_TRUE = ["/bin/bash", "-l", "-c", "true"]
 
 
+def stub_envd():
+    """A server, on a thread of its own, that answers every envd Start at once with a
+    command that ended (start, end): the SDK's own floor, with no server work behind
+    it. Its URL, and a stop."""
+    import asyncio
+    import threading
+    from aiohttp import web
+    from sandman_ray.service.e2b import connect as rpc
+    body = (rpc.envelope({"event": {"start": {"pid": 7}}}) +
+            rpc.envelope({"event": {"end": {"exited": True, "exitCode": 0,
+                                            "status": "exit status 0"}}}) +
+            rpc.end_of_stream())
+
+    async def start(request):
+        await request.read()
+        return web.Response(body=body, headers={"Content-Type": rpc.STREAM_JSON})
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    where = {}
+
+    async def serve():
+        app = web.Application()
+        app.router.add_post("/process.Process/Start", start)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        where["url"] = "http://127.0.0.1:%d" % runner.addresses[0][1]
+        where["runner"] = runner
+        ready.set()
+    threading.Thread(target=lambda: (loop.run_until_complete(serve()), loop.run_forever()),
+                     daemon=True).start()
+    ready.wait(30)
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(where["runner"].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+    return where["url"], stop
+
+
+def stubbed_sandbox(url: str):
+    """An e2b Sandbox object whose envd is ``url`` (no create: the stub has no control
+    plane)."""
+    import e2b
+    from e2b.connection_config import ConnectionConfig
+    from packaging.version import Version
+    from sandman_ray.service.e2b.sandboxes import ENVD_VERSION
+    config = ConnectionConfig(sandbox_url=url, api_key="stub", extra_sandbox_headers={
+        "E2b-Sandbox-Id": "stub", "X-Access-Token": "stub"})
+    return e2b.Sandbox(sandbox_id="stub", envd_version=Version(ENVD_VERSION),
+                       envd_access_token="stub", sandbox_domain=None, connection_config=config)
+
+
 def e2b_beside_ours(batches: int = 40, per: int = 25) -> dict:
     import service
     from sandman_ray.remote import connect
@@ -46,9 +100,13 @@ def e2b_beside_ours(batches: int = 40, per: int = 25) -> dict:
             def e2b_run():
                 if sandbox.commands.run("true").exit_code != 0:
                     raise RuntimeError("e2b: true failed")
+            stub_url, stop_stub = stub_envd()
+            stub = stubbed_sandbox(stub_url)
             times = interleaved({"e2b": e2b_run, "sandman": lambda: ours.exec("true"),
-                                 "sandman_login_shell": lambda: ours.exec(LOGIN_TRUE)},
+                                 "sandman_login_shell": lambda: ours.exec(LOGIN_TRUE),
+                                 "e2b_sdk_floor": lambda: stub.commands.run("true")},
                                 batches, per)
+            stop_stub()
         finally:
             sandbox.kill()
             ours.release()
@@ -69,7 +127,11 @@ def rows(s: dict) -> List[tuple]:
              % (s["e2b_over_sandman_p50"], ours["p50_ms"])),
             ("e2b", "  the SDK's command line, bash -l -c true, by sandman's exec",
              "%.2f / %.2f ms" % (login["p50_ms"], login["p99_ms"]),
-             "E2B's %.2fx it: the service's E2B path" % s["e2b_over_login_shell_p50"])]
+             "E2B's %.2fx it: the service's E2B path" % s["e2b_over_login_shell_p50"])] + (
+        [("e2b", "  the SDK alone: commands.run against a server that answers at once",
+          "%.2f / %.2f ms" % (s["e2b_sdk_floor"]["p50_ms"], s["e2b_sdk_floor"]["p99_ms"]),
+          "its share of E2B's p50: %.0f%%" % (100 * s["e2b_sdk_floor"]["p50_ms"] / e["p50_ms"]))]
+        if "e2b_sdk_floor" in s else [])
 
 
 def main() -> int:

@@ -88,21 +88,46 @@ def reset_floor(n: int = 100) -> dict:
     from sandman_ray.spec import SandboxSpec
     prov = provider().bind("bench-fusion-floor-" + uuid.uuid4().hex[:6])
 
-    async def measure() -> float:
+    async def measure():
         sandbox_id, _, _ = await create_and_exec(prov, SandboxSpec(image="builtin:code"))
         try:
             for _ in range(5):
                 await prov.reset(sandbox_id)
-            before = cpu_ticks()
+            before, each = cpu_ticks(), process_ticks()
             for _ in range(n):
                 await prov.reset(sandbox_id)
-            return (cpu_ticks() - before) * 1e3 / os.sysconf("SC_CLK_TCK") / n
+            after, each_after = cpu_ticks(), process_ticks()
         finally:
             await prov.delete(sandbox_id)
-    reset_ms = asyncio.run(measure())
+        per = 1e3 / os.sysconf("SC_CLK_TCK") / n
+        by_name: dict = {}
+        for pid, (name, ticks) in each_after.items():  # (the children they reaped count)
+            if pid in each and pid != "1":  # (the host's init reaps whatever orphans)
+                by_name[name] = by_name.get(name, 0) + ticks - each[pid][1]
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:3]
+        return (after - before) * per, {name: ticks * per for name, ticks in top}
+    reset_ms, by_process = asyncio.run(measure())
     program_ms = busy_ms_each(on_host, n)
     return {"reset_cpu_ms": reset_ms, "program_cpu_ms": program_ms,
+            "reset_cpu_ms_by_process": by_process,
             "most_over_host": program_ms / (program_ms + reset_ms)}
+
+
+def process_ticks() -> dict:
+    """pid -> (its name, CPU ticks of it and of the children it reaped), every process."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % pid) as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[pid] = (stat[stat.index("(") + 1:stat.rindex(")")],
+                    sum(int(v) for v in fields[11:15]))
+    return out
 
 
 def fusion(n: int = 200, burst: int = 640) -> dict:
@@ -137,7 +162,11 @@ def rows(s: dict) -> List[tuple]:
           "%.1f ms, %.1f ms" % (s["reset_floor"]["reset_cpu_ms"],
                                 s["reset_floor"]["program_cpu_ms"]),
           "at most %.2fx the host's while a reset costs this"
-          % s["reset_floor"]["most_over_host"])] if "reset_floor" in s else [])
+          % s["reset_floor"]["most_over_host"]),
+         ("fusion", "  a reset's CPU by process",
+          ", ".join("%s %.1f" % kv for kv in
+                    s["reset_floor"].get("reset_cpu_ms_by_process", {}).items()), "ms")]
+        if "reset_floor" in s else [])
 
 
 def main() -> int:

@@ -226,6 +226,25 @@ def test_the_async_sdk_runs_commands_and_files_at_once(service):
             handle = await box.commands.run("sleep 0.2; exit 5", background=True)
             with pytest.raises(e2b.CommandExitException):
                 await handle.wait()
+            heard = []
+            done = await box.commands.run("echo a; echo b >&2", on_stdout=heard.append,
+                                          on_stderr=lambda e: heard.append("!" + e))
+            assert done.exit_code == 0 and sorted(heard) == ["!b\n", "a\n"]
+            with pytest.raises(e2b.TimeoutException):
+                await box.commands.run("sleep 30", timeout=1)
+            screen = bytearray()
+            seen = asyncio.Event()
+
+            def on_pty(data):
+                screen.extend(data)
+                if b"ASYNC-7" in screen:
+                    seen.set()
+            term = await box.pty.create(e2b.PtySize(rows=20, cols=60), on_data=on_pty)
+            await box.pty.send_stdin(term.pid, b"echo ASYNC-$((3+4))\n")
+            await asyncio.wait_for(seen.wait(), 30)
+            assert await box.pty.kill(term.pid)
+            info = await box.get_info()
+            assert info.sandbox_id == box.sandbox_id and info.template_id == "base"
         finally:
             await box.kill()
     asyncio.run(main())

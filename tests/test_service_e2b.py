@@ -20,7 +20,22 @@ e2b = pytest.importorskip("e2b")
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def test_ca(tmp_path_factory):
+    """The test CA (and a certificate it signed for *.sandman.test), trusted by the
+    SDK's TLS through SSL_CERT_FILE: set before the SDK makes its first connection, as
+    its TLS reads its roots once a process."""
+    ca, cert, key = _test_ca(tmp_path_factory.mktemp("ca"))
+    saved = os.environ.get("SSL_CERT_FILE")
+    os.environ["SSL_CERT_FILE"] = str(ca)
+    yield ca, cert, key
+    if saved is None:
+        os.environ.pop("SSL_CERT_FILE", None)
+    else:
+        os.environ["SSL_CERT_FILE"] = saved
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, test_ca):
     with serving(tmp_path_factory.mktemp("e2b"), warm={"builtin:code": 0}) as running:
         env = {"E2B_API_URL": running["url"], "E2B_SANDBOX_URL": running["url"],
                "E2B_API_KEY": running["alice"], "E2B_HTTP_VERSION": "1.1"}
@@ -373,3 +388,58 @@ def test_envd_fields_of_the_wrong_type_are_refused_not_raised_on(service, sandbo
                                   body=b'{"timeout": null}')
     assert status == 400 and b"timeout" in answer
     assert sandbox.is_running()
+
+
+def _test_ca(where):
+    """A CA of the test's, and a certificate it signed for ``*.sandman.test`` and
+    127.0.0.1 (a CA's own certificate is not taken as a server's)."""
+    import subprocess
+
+    def openssl(*args):
+        subprocess.run(["openssl"] + list(args), check=True, capture_output=True)
+    ca, ca_key = where / "ca.pem", where / "ca.key"
+    cert, key, csr = where / "cert.pem", where / "key.pem", where / "cert.csr"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+            "/CN=sandman test CA", "-keyout", str(ca_key), "-out", str(ca))
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=sandman.test",
+            "-keyout", str(key), "-out", str(csr))
+    extensions = where / "ext.cnf"
+    extensions.write_text("basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                          "extendedKeyUsage=serverAuth\n"
+                          "subjectAltName=DNS:*.sandman.test,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-days", "1", "-extfile", str(extensions), "-out", str(cert))
+    return ca, cert, key
+
+
+def test_the_sdk_reaches_a_sandbox_by_its_host_name_over_tls(tmp_path, monkeypatch,
+                                                             test_ca):
+    """The SDK's form without a sandbox URL: envd at https://49983-<id>.<E2B_DOMAIN>
+    (port 443), trusted by SSL_CERT_FILE. The name resolves by /etc/hosts, which the
+    test writes for the sandbox and restores after (the SDK has no setting for it)."""
+    import socket
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 443)) == 0:
+            pytest.skip("port 443 is taken on this machine")
+    ca, cert, key = test_ca
+    hosts = open("/etc/hosts").read()
+    with serving(tmp_path / "svc", "--port", "443", "--tls-cert", str(cert), "--tls-key",
+                 str(key), warm={"builtin:code": 0}) as svc:
+        assert svc["url"] == "https://127.0.0.1:443"
+        monkeypatch.delenv("E2B_SANDBOX_URL", raising=False)
+        for name, value in (("E2B_API_URL", svc["url"]), ("E2B_API_KEY", svc["alice"]),
+                            ("E2B_DOMAIN", "sandman.test"), ("SSL_CERT_FILE", str(ca)),
+                            ("E2B_HTTP_VERSION", "1.1")):
+            monkeypatch.setenv(name, value)
+        box = e2b.Sandbox.create()
+        try:
+            with open("/etc/hosts", "a") as fh:
+                fh.write("127.0.0.1 49983-%s.sandman.test\n" % box.sandbox_id)
+            assert box.envd_api_url == "https://49983-%s.sandman.test" % box.sandbox_id
+            assert box.commands.run("echo by name").stdout == "by name\n"
+            box.files.write("named.txt", "tls")
+            assert box.files.read("named.txt") == "tls"
+        finally:
+            with open("/etc/hosts", "w") as fh:
+                fh.write(hosts)
+            box.kill()

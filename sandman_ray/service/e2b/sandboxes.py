@@ -29,7 +29,7 @@ from sandman_ray.spec import SandboxSpec, parse_bytes
 ENVD_VERSION = "0.5.7"
 KEEPALIVE_S = 30.0  # the lease's keepalive; the service renews it while the sandbox lives
 RENEW_EVERY_S = 10.0
-TIMEOUT_DEFAULT_S = 15  # E2B's, when a create names none
+TIMEOUT_DEFAULT_S = 300  # E2B's, when a create names none
 TIMEOUT_MAX_S = 24 * 3600
 CREATE_WAIT_S = 120.0  # how long a create waits for a sandbox
 TEMPLATES = {"base": "builtin:code"}  # E2B template -> image (``--e2b-template``)

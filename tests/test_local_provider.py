@@ -157,6 +157,30 @@ def test_reset_drops_writes_and_processes(provider, images):
         assert sb.client.exec("echo again").stdout == b"again\n"
 
 
+
+def test_resets_of_one_sandbox_at_once_run_one_after_the_other(provider, images):
+    """Four resets of one sandbox asked at the same moment (a caller that retries while
+    its first reset is under way) each complete, one after another: the sandbox comes
+    back once from each, the last token answers, and none of them finds it half-renewed."""
+    with Sandbox(provider, images["dir"]) as sb:
+        sb.client.close()
+
+        async def four():
+            return await asyncio.gather(*[provider.reset(sb.id) for _ in range(4)])
+        infos = run(four())
+        assert len({info.token for info in infos}) == 4
+        tokens = [info.token for info in infos]
+        answering = []
+        for token in tokens:
+            try:
+                client = DaemonClient(infos[0].address, token, default_timeout=10)
+                answering.append(client.exec("echo up").stdout == b"up\n")
+                client.close()
+            except Exception:  # noqa: BLE001 - a token a later reset replaced
+                answering.append(False)
+        assert answering.count(True) == 1, answering
+        sb.client = DaemonClient(infos[answering.index(True)].address,
+                                 tokens[answering.index(True)], default_timeout=60)
 def test_delete_kills_what_is_left_in_the_sandbox_cgroup(provider, images):
     """A process still in the sandbox's cgroup when bwrap is gone (as a daemon whose
     bwrap died first once was) is killed when the sandbox is removed. A sandbox without

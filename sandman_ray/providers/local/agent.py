@@ -309,6 +309,8 @@ class NodeAgent:
         if sandbox is None:
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
         async with self._lock(sandbox_id):  # after a snapshot or pause under way
+            while sandbox_id in self.resets:  # and after a reset under way: one at a time
+                await asyncio.wait([self.resets[sandbox_id]])
             if self.sandboxes.get(sandbox_id) is not sandbox:  # deleted meanwhile
                 raise fatal("sandbox %s was deleted on node %s before its reset began"
                             % (sandbox_id, self.node_id))
@@ -317,17 +319,18 @@ class NodeAgent:
             self.resetting.add(sandbox_id)
             if sandbox.cgroups is not None and sandbox.cgroups.frozen():
                 sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
-        # run to its end even if its caller gives up: a shutdown waits for it, and
-        # no relaunch of it can start once the agent is closing
-        task = asyncio.ensure_future(self._reset(sandbox))
-        self.resets[sandbox_id] = task
-        try:
-            info = await asyncio.shield(task)
-            self.cpu.set(sandbox_id, None, 1.0)  # the next holder's client weighs it anew
-            return info
-        finally:
-            if self.resets.get(sandbox_id) is task:
-                del self.resets[sandbox_id]
+            # run to its end even if its caller gives up: a shutdown waits for it, and
+            # no relaunch of it can start once the agent is closing
+            task = asyncio.ensure_future(self._reset(sandbox))
+            self.resets[sandbox_id] = task
+            task.add_done_callback(lambda _: self._reset_ended(sandbox_id, task))
+        info = await asyncio.shield(task)
+        self.cpu.set(sandbox_id, None, 1.0)  # the next holder's client weighs it anew
+        return info
+
+    def _reset_ended(self, sandbox_id: str, task: asyncio.Future) -> None:
+        if self.resets.get(sandbox_id) is task:  # (not a later reset's)
+            del self.resets[sandbox_id]
             self.resetting.discard(sandbox_id)
 
     async def _reset(self, sandbox) -> SandboxInfo:

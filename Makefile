@@ -23,7 +23,7 @@ DEBIAN_PACKAGES := bubblewrap busybox-static patchelf binutils util-linux skopeo
 	slirp4netns nftables iproute2 runsc podman runc iptables golang-github-containers-common \
 	docker-registry chromium gcc libc6-dev
 
-.PHONY: demo test test-fast test-chaos bench system-packages clean
+.PHONY: demo test test-fast test-chaos bench docs system-packages clean
 
 system-packages:
 	@tools/ensure-debian-packages $(DEBIAN_PACKAGES)
@@ -85,5 +85,11 @@ BENCH_AGAINST ?= dd77782
 bench: system-packages $(call STAMP,bench) $(BUILTIN)
 	$(BIN)/python bench/run_all.py --isolation-against $(BENCH_AGAINST)
 
+# the documentation site (mkdocs.yml) into site/, strictly: a broken link or reference
+# fails it (make test builds it too, tests/test_docs.py); its performance table is made
+# from bench/results/*.json by the benchmark suite's own code, which imports Ray
+docs: $(call STAMP,docs)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) .cache build site *.egg-info

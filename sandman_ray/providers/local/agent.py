@@ -17,9 +17,10 @@ import ray
 
 from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
 from sandman_ray.providers.base import (
-    SandboxInfo, SnapshotInfo, check_answers, fatal, transient)
+    SandboxInfo, check_answers, fatal, transient)
 from sandman_ray.providers.mounts import ensure_nosuid_nodev
 from sandman_ray.providers.network import node_routes, ray_node_addresses
+from sandman_ray.providers.local.agent_snapshots import AgentSnapshots
 from sandman_ray.providers.local.cpu_shares import CpuShares
 from sandman_ray.providers.nodes import SingleFlight
 from sandman_ray.spec import SandboxSpec
@@ -39,7 +40,7 @@ LAUNCH_THREADS = 4
 # its calls (creates, resets, deletes by the thousand) are not recorded as Ray task
 # events: see sandman_ray.host
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
-class NodeAgent:
+class NodeAgent(AgentSnapshots):
     """Starts, resets and deletes the sandboxes of one pool on one node."""
 
     def __init__(self, pool: str, node_id: str, state_root: str, cache_root: str,
@@ -124,6 +125,12 @@ class NodeAgent:
         self.budget_watch = None  # budgets.watch, started with the first sandbox
         self.control = None  # the control socket's server (control_address starts it)
         self.control_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard and Ray's messages call this actor."""
+        return "NodeAgent(pool=%s, node=%s, %d sandboxes%s)" % (
+            self.pool, (self.node_id or "?")[:12], len(getattr(self, "sandboxes", ())),
+            ", shut down" if getattr(self, "closed", False) else "")
 
     def _remove_leftovers(self) -> None:
         """What a dead agent of this pool and node left: its sandboxes died with it,
@@ -364,7 +371,7 @@ class NodeAgent:
             asyncio.get_running_loop().run_in_executor(None, self._prepare, sandbox)
         return self._info(sandbox_id)
 
-    # ---- snapshots and pauses
+    # ---- pauses (snapshots: providers/local/agent_snapshots.py)
     def _sandbox(self, sandbox_id: str, op: str):
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
@@ -372,105 +379,9 @@ class NodeAgent:
                         % (op, sandbox_id, self.node_id))
         return sandbox
 
-    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotInfo:
-        """Copy the sandbox's writable layer as snapshot ``name`` of this pool
-        (providers/local/snapshots.py), the sandbox frozen meanwhile so the copy is of
-        one moment (it runs on afterwards; a sandbox the user paused stays paused)."""
-        from sandman_ray.providers.local.snapshots import check_name, not_supported, unsupported_why
-        sandbox = self._sandbox(sandbox_id, "snapshot")
-        try:
-            check_name(name)
-        except ValueError as exc:
-            raise fatal(str(exc)) from None
-        if unsupported_why(sandbox) is not None:
-            raise not_supported(sandbox)
-        if sandbox.cgroups is None or not sandbox.cgroups.can_freeze:
-            raise NotSupported("snapshot of sandbox %s needs a freezer cgroup to copy its "
-                               "files at one moment, which this host does not give it"
-                               % sandbox_id)
-        async with self._lock(sandbox_id):  # no pause, resume, reset or capture meanwhile
-            if self.closed or self.sandboxes.get(sandbox_id) is not sandbox:
-                raise fatal("snapshot: sandbox %s is gone" % sandbox_id)
-            task = asyncio.get_running_loop().run_in_executor(
-                self.capturing, self._capture, sandbox, name)
-            self.captures.add(task)
-            try:
-                return await asyncio.shield(task)
-            finally:
-                self.captures.discard(task)
-
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         """The lock that keeps a sandbox's snapshot, pause, resume and reset apart."""
         return self.locks.setdefault(sandbox_id, asyncio.Lock())
-
-    def _capture(self, sandbox, name: str) -> SnapshotInfo:
-        """On a capture thread: freeze (unless paused already), copy, thaw; a sandbox
-        that cannot be frozen is not copied."""
-        groups = sandbox.cgroups
-        was_frozen = groups.frozen()
-        if not was_frozen:
-            try:
-                groups.freeze()
-            except OSError as exc:
-                groups.thaw()
-                raise transient("snapshot of sandbox %s: it could not be frozen: %s"
-                                % (sandbox.sandbox_id, exc)) from exc
-        try:
-            upper = sandbox.open_upper()
-            try:
-                return self.snapshot_store.capture(
-                    upper, name, sandbox.ids.base if sandbox.ids is not None else 0,
-                    sandbox.image, sandbox.sandbox_id, self.node_id,
-                    self.snapshot_store.room(self.snapshot_bytes))
-            finally:
-                os.close(upper)
-        finally:
-            if not was_frozen:
-                groups.thaw()
-
-    async def snapshots(self) -> List[SnapshotInfo]:
-        """The pool's snapshots this node holds (taken here, or brought here), each
-        with this node as its ``node_id``."""
-        import dataclasses
-        infos = await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.list)
-        return [dataclasses.replace(info, node_id=self.node_id) for info in infos]
-
-    async def export_snapshot(self, name: str) -> bytes:
-        """Snapshot ``name`` as a tar, for the agent of another node (``fetch_snapshot``)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.snapshot_store.export, name)
-
-    async def fetch_snapshot(self, image: str, source) -> None:
-        """Bring the snapshot ``image`` from the agent ``source`` into this node's store
-        (its base first, when that is a snapshot too); at most one fetch per snapshot
-        at a time, and none for one this node holds."""
-        from sandman_ray.providers.local.snapshots import parse_ref
-        _, name = parse_ref(image)
-        if (self.snapshot_store.path(name) / "meta.json").exists():
-            return
-        await self.fetching.run(name, lambda: self._fetch(name, source))
-
-    async def _fetch(self, name: str, source) -> None:
-        from sandman_ray.providers.local.snapshots import archive_meta
-        loop = asyncio.get_running_loop()
-        data = await source.export_snapshot.remote(name)
-        meta = archive_meta(data)
-        if str(meta.get("base", "")).startswith("snapshot:"):
-            await self.fetch_snapshot(meta["base"], source)
-        await loop.run_in_executor(None, self.snapshot_store.import_tar, name, data)
-
-    async def delete_snapshot(self, name: str) -> None:
-        """Remove snapshot ``name``; SnapshotInUse while a sandbox of this agent runs
-        from it (its overlay reads the layer) or another snapshot stacks on it."""
-        from sandman_ray.errors import SnapshotInUse
-        from sandman_ray.providers.local.snapshots import image_ref
-        ref = image_ref(self.pool, name)
-        layer = self.snapshot_store.path(name) / "layer"
-        users = sorted(sid for sid, sb in self.sandboxes.items() if layer in sb.image.layers)
-        if users:
-            raise SnapshotInUse("snapshot %s: sandbox(es) %s still run from it"
-                                % (ref, ", ".join(users)))
-        await asyncio.get_running_loop().run_in_executor(None, self.snapshot_store.delete, name)
 
     async def pause(self, sandbox_id: str, reclaim: bool = False,
                     token: Optional[str] = None) -> bool:

@@ -19,9 +19,10 @@ from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
 from sandman_ray.pool.cluster import HOST_PREFIX, pool_task_name
 from sandman_ray.pool.states import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
+from sandman_ray.raised import plain_errors
 from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
-SpecLike = Union[SandboxSpec, str]
+SpecLike = Union[SandboxSpec, str, dict]
 BIND_ATTEMPTS = 3  # leases an acquire takes when the sandboxes it is lent turn out gone
 
 # node id ("" for anywhere) -> this process's HandleHost, forgotten with its Ray session
@@ -35,6 +36,7 @@ _hosts_lock = threading.Lock()
 POOL_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
+@plain_errors
 def create_pool(name: str = "default", provider=None, *, warm=None, **config):
     """Create the pool ``name`` (or return it if it exists): a detached actor that
     outlives this driver. ``config`` takes the fields of ``PoolConfig``."""
@@ -70,6 +72,7 @@ def _head_node() -> Optional[str]:
     return None
 
 
+@plain_errors
 def shutdown_pool(name: str = "default") -> int:
     """Delete every sandbox of the pool and stop it; returns how many were deleted."""
     pool = get_pool(name)
@@ -138,6 +141,7 @@ def _forget_host(node_id: Optional[str], host: _Host) -> None:
             del _hosts[node_id or ""]
 
 
+@plain_errors
 def prepare(pool: str = "default") -> None:
     """Find ``pool`` (the default pool is created if missing) and start this process's
     handle host on this node, and wait for both: a rollout worker that calls it as it
@@ -152,6 +156,7 @@ def prepare(pool: str = "default") -> None:
         host.started = True
 
 
+@plain_errors
 def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
             client: Optional[str] = None, node: Optional[str] = None,
             auto_resume: bool = False) -> SandboxHandle:
@@ -193,6 +198,7 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
             return handle
 
 
+@plain_errors
 async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
                         client: Optional[str] = None, node: Optional[str] = None,
                         auto_resume: bool = False) -> SandboxHandle:
@@ -359,6 +365,7 @@ def _after_failure(host: _Host, node: str, pool: str, lease_id: str, exc: BaseEx
         raise exc
 
 
+@plain_errors
 def release(handle: SandboxHandle) -> None:
     """End the lease; the sandbox is reset for the next user (or deleted). The host
     stops forwarding and the pool ends the lease, both at once (asked again while Ray
@@ -382,6 +389,7 @@ def release(handle: SandboxHandle) -> None:
         pass
 
 
+@plain_errors
 async def release_async(handle: SandboxHandle) -> None:
     steps = _releasing(handle)
     step = next(steps)

@@ -26,6 +26,7 @@ from sandman_ray.handle import SandboxHandle
 from sandman_ray.lookup import call_pool, call_pool_async
 from sandman_ray.forking import (
     SESSION_STATE, check_count, run_to_end, session_state, start_forks)
+from sandman_ray.raised import plain_errors
 from sandman_ray.spec import SandboxSpec
 
 
@@ -36,6 +37,7 @@ def _pool_of(handle: SandboxHandle):
     return get_pool(handle.pool)
 
 
+@plain_errors
 def snapshot(handle: SandboxHandle, name: Optional[str] = None) -> str:
     """Capture ``handle``'s files as a snapshot of its pool; the image reference that
     starts sandboxes from it (``SandboxSpec(image=...)``, ``acquire(...)``). ``name``:
@@ -45,12 +47,14 @@ def snapshot(handle: SandboxHandle, name: Optional[str] = None) -> str:
                      False)["image"]
 
 
+@plain_errors
 def snapshots(pool: str = "default") -> List[dict]:
     """The pool's snapshots: name, image, base, size_bytes, node_id, source,
     created_at, and the sandboxes started from each (``sandboxes``)."""
     return call_pool(pool, "snapshots")
 
 
+@plain_errors
 def delete_snapshot(snapshot: str, pool: Optional[str] = None) -> None:
     """Delete a snapshot (its image reference, or its name in ``pool``), its warm
     target and the idle sandboxes started from it. SnapshotInUse while a lease holds
@@ -63,6 +67,7 @@ def delete_snapshot(snapshot: str, pool: Optional[str] = None) -> None:
     call_pool(pool, "delete_snapshot", snapshot)
 
 
+@plain_errors
 def set_warm(spec: SpecLike, count: int, pool: Optional[str] = None) -> dict:
     """Keep ``count`` READY sandboxes of ``spec`` (an image, a snapshot's included, or
     a SandboxSpec) in the pool from now on; 0 stops. The pool of a snapshot is its own
@@ -79,6 +84,7 @@ def _fork_spec(info: dict) -> SandboxSpec:
     return SandboxSpec.from_dict(dict(info["spec"], image=info["image"]))
 
 
+@plain_errors
 def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
          keep_snapshot: bool = False) -> List[SandboxHandle]:
     """``n`` new leased sandboxes that start from ``handle``'s files, in the working
@@ -90,6 +96,7 @@ def fork(handle: SandboxHandle, n: int, timeout: float = 60.0,
     return run_to_end(fork_async(handle, n, timeout, keep_snapshot))
 
 
+@plain_errors
 async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
                      keep_snapshot: bool = False) -> List[SandboxHandle]:
     """``fork`` for async actors and tasks: ``forks = await fork_async(sb, 8)``."""
@@ -102,6 +109,7 @@ async def fork_async(handle: SandboxHandle, n: int, timeout: float = 60.0,
                              release_async)
 
 
+@plain_errors
 def pause(handle: SandboxHandle, reclaim: bool = False) -> None:
     """Freeze every process of the sandbox (no CPU; memory kept) until ``resume``:
     ``handle.pause(reclaim)``."""
@@ -109,6 +117,7 @@ def pause(handle: SandboxHandle, reclaim: bool = False) -> None:
     handle.pause(reclaim)
 
 
+@plain_errors
 def resume(handle: SandboxHandle) -> None:
     """Let a paused sandbox's processes run again where they stopped:
     ``handle.resume()``."""

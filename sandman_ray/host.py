@@ -115,6 +115,12 @@ class _HandleHost:
         if self.restarted:
             self._tell_pools_of_restart()
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard and Ray's messages call this actor."""
+        return "%s(%s, node=%s, %d leases)" % (
+            type(self).__name__.lstrip("_"), self.name, (self.node or "?")[:12],
+            len(self.held))
+
     def _tell_pools_of_restart(self) -> None:
         """Whatever the old incarnation held is lost: every pool frees its leases."""
         from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
@@ -264,11 +270,32 @@ class _HandleHost:
             if lease_id in self.binding:
                 self.dropped.add(lease_id)  # its bind releases it once registered
             elif pool is not None and tell_pool:
-                await self._tell_pool(pool, "release", lease_id, self.name)
+                await self._tell_pool_of_release(pool, lease_id)
             return False
         if tell_pool:
-            await self._tell_pool(held.lease.pool, "release", lease_id, self.name)
+            await self._tell_pool_of_release(held.lease.pool, lease_id)
         return True
+
+    async def _tell_pool_of_release(self, pool: str, lease_id: str) -> None:
+        """The pool's release of the lease; a pool that is gone (shut down) ended its
+        leases with it, so there is nothing to tell (a handle dropped after its pool's
+        shutdown releases through here, and no one waits for the answer)."""
+        try:
+            await self._tell_pool(pool, "release", lease_id, self.name)
+        except ValueError:  # no pool of that name
+            pass
+        except ray.exceptions.RayActorError:  # its actor died and none took its name
+            if self._pool_exists(pool):
+                raise
+
+    @staticmethod
+    def _pool_exists(pool: str) -> bool:
+        from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+        try:
+            ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
+            return True
+        except ValueError:
+            return False
 
     async def drop(self, lease_id: str) -> bool:
         """``release`` without telling the pool: ``sandman_ray.release`` ends the lease

@@ -244,9 +244,17 @@ class SandboxSpec:
                              % (MAX_NOFILE, self.nofile))
 
     @classmethod
-    def of(cls, spec: Union["SandboxSpec", str]) -> "SandboxSpec":
-        """A spec from a spec or an image string."""
-        return spec if isinstance(spec, SandboxSpec) else cls(image=spec)
+    def of(cls, spec: Union["SandboxSpec", str, Dict[str, object]]) -> "SandboxSpec":
+        """A spec from a spec, an image string or a dict of fields (``from_dict``: a
+        field it does not have is named); anything else is a TypeError."""
+        if isinstance(spec, SandboxSpec):
+            return spec
+        if isinstance(spec, str):
+            return cls(image=spec)
+        if isinstance(spec, dict):
+            return cls.from_dict(spec)
+        raise TypeError("a sandbox's spec is a SandboxSpec, an image string or a dict of "
+                        "SandboxSpec's fields, not %s" % type(spec).__name__)
 
     @classmethod
     def from_config(cls, image: Optional[str] = None,
@@ -292,7 +300,12 @@ class SandboxSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ValueError("SandboxSpec has no field %s" % ", ".join(unknown))
+            import difflib
+            near = [m for u in unknown for m in difflib.get_close_matches(str(u), names, 1)]
+            raise ValueError("SandboxSpec has no field %s%s" % (
+                ", ".join(map(str, unknown)),
+                " (did you mean %s?)" % ", ".join(near) if near else
+                " (its fields: %s)" % ", ".join(sorted(names))))
         return cls(**data)
 
     def key(self) -> tuple:

@@ -38,6 +38,15 @@ class PoolActor:
         self.config = config
         self.recovered: Optional[asyncio.Future] = None
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard and Ray's messages call this actor."""
+        if self.pool is None:
+            return "PoolActor(pool=%s, starting)" % self.name
+        records = self.pool.records
+        return "PoolActor(pool=%s, %d sandboxes, %d leased, %d waiting)" % (
+            self.name, records.held(), records.counts().get("leased", 0),
+            len(self.pool.waiters))
+
     async def _started(self) -> Reconciler:
         """The reconciler, made (in this actor's process and loop) and recovered on the
         first call."""

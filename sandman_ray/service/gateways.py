@@ -91,6 +91,11 @@ def serve_at_normal_priority() -> bool:
 class NodeGateway:
     """See the module's docstring."""
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard and Ray's messages call this actor."""
+        return "NodeGateway(pool=%s, node=%s)" % (getattr(self, "pool", "?"),
+                                                  (getattr(self, "node", None) or "?")[:12])
+
     async def start(self, pool: str, service: str, tls_pem: Optional[Tuple[str, str]]) -> str:
         """Listen on this node's address (with TLS: ``tls_pem``, the certificate's and
         its key's PEM text); the URL it serves at. ``service``: the ServiceHost's

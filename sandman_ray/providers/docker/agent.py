@@ -79,6 +79,12 @@ class DockerAgent(ContainerSpecs):
         self.janitor = self._start_janitor()
 
     # ---- lifecycle of the agent
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard and Ray's messages call this actor."""
+        return "DockerAgent(pool=%s, node=%s, engine=%s)" % (
+            self.pool, (self.node_id or "?")[:12], self.base_url)
+
     def _mine(self, extra: Optional[Dict[str, str]] = None) -> List[str]:
         labels = {POOL_LABEL: self.pool, NODE_LABEL: self.node_id}
         labels.update(extra or {})

@@ -15,8 +15,8 @@ from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import SandboxHandle
 from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
 from sandman_ray.lookup import current, forget_pool, get_pool, looked_up_again, session_cache
-from sandman_ray.pool.actor import NAMESPACE, PoolActor, pool_actor_name
-from sandman_ray.pool.cluster import HOST_PREFIX, pool_task_name
+from sandman_ray.pool.actor import PoolActor
+from sandman_ray.names import HOST_PREFIX, NAMESPACE, pool_actor_name, pool_task_name
 from sandman_ray.pool.states import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.raised import plain_errors

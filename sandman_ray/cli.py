@@ -86,7 +86,7 @@ def _admitted(address: str) -> None:
 
 def _pool_names() -> List[str]:
     import ray
-    from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+    from sandman_ray.names import NAMESPACE, pool_actor_name
     prefix = pool_actor_name("")
     return sorted(entry["name"][len(prefix):]
                   for entry in ray.util.list_named_actors(all_namespaces=True)

@@ -105,6 +105,22 @@ class ProviderError(SandmanError):
         return (type(self), (self.args[0], self.kind))
 
 
+def throttled(message: str) -> ProviderError:
+    """A ProviderError of a provider that asks to be called less often (the pool slows
+    its creates)."""
+    return ProviderError(message, "throttled")
+
+
+def transient(message: str) -> ProviderError:
+    """A ProviderError that asking again may mend (the pool retries it)."""
+    return ProviderError(message, "transient")
+
+
+def fatal(message: str) -> ProviderError:
+    """A ProviderError that asking again will not mend."""
+    return ProviderError(message, "fatal")
+
+
 class NotSupported(ProviderError):
     """The provider (or this sandbox's kind) cannot do what was asked: a snapshot of a
     pod, a pause under gVisor. The message names what it would need. Always fatal:

@@ -123,7 +123,7 @@ class _HandleHost:
 
     def _tell_pools_of_restart(self) -> None:
         """Whatever the old incarnation held is lost: every pool frees its leases."""
-        from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+        from sandman_ray.names import NAMESPACE, pool_actor_name
         prefix = pool_actor_name("")
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefix):
@@ -136,7 +136,7 @@ class _HandleHost:
     def _pool(self, pool: str):
         handle = self.pools.get(pool)
         if handle is None:
-            from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+            from sandman_ray.names import NAMESPACE, pool_actor_name
             handle = self.pools[pool] = ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
         return handle
 
@@ -290,7 +290,7 @@ class _HandleHost:
 
     @staticmethod
     def _pool_exists(pool: str) -> bool:
-        from sandman_ray.pool.actor import NAMESPACE, pool_actor_name
+        from sandman_ray.names import NAMESPACE, pool_actor_name
         try:
             ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
             return True

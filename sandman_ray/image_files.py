@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from sandman_ray.errors import ProviderError
-from sandman_ray.providers.base import fatal
+from sandman_ray.errors import fatal
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from sandman_ray.image_files import open_regular, read_capped, read_file
 from sandman_ray.image_layers import (
     BoundedTarInfo, ImageLimits, LayerRefused, VerifiedStream, apply_blob, check_blob,
     check_digest)
-from sandman_ray.providers.base import fatal
+from sandman_ray.errors import fatal
 
 REF_NAME = "org.opencontainers.image.ref.name"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

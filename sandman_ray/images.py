@@ -36,7 +36,7 @@ from sandman_ray.image_builders import MOUNT_POINTS, build_builtin, builtin_key
 from sandman_ray.image_files import resolve_user
 from sandman_ray.image_layers import ImageLimits, safe_join
 from sandman_ray.image_layouts import Verified, read_docker_archive, read_oci
-from sandman_ray.providers.base import fatal, transient
+from sandman_ray.errors import fatal, transient
 from sandman_ray.spec import parse_image as parse
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,12 @@ class ImageCache:
 
     def __init__(self, root: Path, prefer_tools: bool = True,
                  snapshots_root: Optional[Path] = None, image_roots: Iterable[str] = (),
-                 reserved: Iterable[Path] = (), limits: Optional[ImageLimits] = None):
+                 reserved: Iterable[Path] = (), limits: Optional[ImageLimits] = None,
+                 snapshot_store=None):
         self.root = Path(root)
+        # a pool's snapshots on this node: SnapshotStore(snapshots_root, pool), given by
+        # the provider that keeps them (providers/local/snapshots.py); none refuses them
+        self.snapshot_store = snapshot_store
         self.prefer_tools = prefer_tools
         self.limits = limits or ImageLimits()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -238,9 +242,10 @@ class ImageCache:
     def _snapshot(self, image: str, location: str) -> PreparedImage:
         """A snapshot's layer over its base, itself prepared (a snapshot's base existed
         before it, so the chain ends)."""
-        from sandman_ray.providers.local.snapshots import SnapshotStore
+        if self.snapshot_store is None:
+            raise fatal("image %r: this image cache keeps no snapshots" % image)
         pool, name = location.split("/", 1)
-        store = SnapshotStore(self.snapshots_root, pool)
+        store = self.snapshot_store(self.snapshots_root, pool)
         meta = store.meta(name)
         base = self.prepare(meta["base"])
         if base.rootfs is None:

@@ -11,7 +11,7 @@ import ray
 
 from sandman_ray.errors import SandmanError
 from sandman_ray.spec import check_pool_name
-from sandman_ray.pool.cluster import NAMESPACE, pool_actor_name
+from sandman_ray.names import NAMESPACE, pool_actor_name
 
 _pools: Dict[str, object] = {}  # pool name -> actor handle
 _cached_for = [None]  # the Ray session the caches belong to

@@ -4,9 +4,29 @@ import dataclasses
 import ipaddress
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Iterable, Optional, Tuple, Union
 
-from sandman_ray.providers.syscalls import check_capabilities
+# What a spec may ask for by name (SandboxSpec.capabilities), and what each lifts.
+CAPABILITIES = {
+    "NET_RAW": "raw IP and packet sockets (ping without ICMP sockets, tcpdump); keeps "
+               "CAP_NET_RAW; the network filter still holds on the sandbox's interface",
+    "IO_URING": "io_uring_setup, io_uring_enter and io_uring_register",
+    "AIO": "Linux native AIO (io_setup, io_submit, io_getevents and the rest): its "
+           "contexts come from the node's fs.aio-max-nr, which no limit holds per "
+           "sandbox, so one sandbox that asks for it can take them all",
+}
+
+
+def check_capabilities(names: Iterable[str]) -> Tuple[str, ...]:
+    """``names`` as a sorted tuple; ValueError naming one that is not in CAPABILITIES."""
+    out = set()
+    for name in names:
+        if name not in CAPABILITIES:
+            raise ValueError("SandboxSpec.capabilities: %r is not one of %s"
+                             % (name, ", ".join(sorted(CAPABILITIES))))
+        out.add(name)
+    return tuple(sorted(out))
+
 
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
           "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}

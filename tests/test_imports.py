@@ -1,5 +1,5 @@
-"""The package's modules import each other without a circle, and the janitor, a process
-of its own, loads no Ray. Read from the source (every import, at module level or in a
+"""The package's modules import each other without a circle and never up the layers,
+and the janitor, a process of its own, loads no Ray. Read from the source (every import, at module level or in a
 function), so a circle that only bites on some code path is found too."""
 
 import ast
@@ -65,6 +65,53 @@ def test_no_import_circles():
         if name not in state:
             visit(name, [name])
     assert circles == [], "\n".join(" -> ".join(c) for c in circles)
+
+
+# The layers, lowest first: a module imports its own layer and those below it, never one
+# above (a module is in the layer of the longest prefix that names it).
+LAYERS = (
+    ("the names everything shares", ("sandman_ray._lazy", "sandman_ray.names",
+                                     "sandman_ray.errors", "sandman_ray.results",
+                                     "sandman_ray.daemon")),
+    ("what a sandbox is and how to talk to it", ("sandman_ray.spec", "sandman_ray.client",
+                                                 "sandman_ray.control", "sandman_ray.raised")),
+    ("images", ("sandman_ray.images", "sandman_ray.image_builders", "sandman_ray.image_files",
+                "sandman_ray.image_layers", "sandman_ray.image_layouts", "sandman_ray.bundle")),
+    ("providers", ("sandman_ray.providers",)),
+    ("the pool", ("sandman_ray.pool",)),
+    ("handles and their hosts", ("sandman_ray.host", "sandman_ray.handle", "sandman_ray.direct",
+                                 "sandman_ray.lookup", "sandman_ray.touches",
+                                 "sandman_ray.forking")),
+    ("the public API", ("sandman_ray", "sandman_ray.api", "sandman_ray.forks",
+                        "sandman_ray.remote")),
+    ("what is built on it", ("sandman_ray.service", "sandman_ray.integrations",
+                             "sandman_ray.cli")),
+)
+
+
+def layer_of(module: str):
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and \
+                    (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_no_import_runs_up_the_layers():
+    known = modules()
+    assert [m for m in sorted(known) if layer_of(m) is None] == [], "a module in no layer"
+    upward = ["%s -> %s (%s -> %s)" % (a, b, LAYERS[layer_of(a)][0], LAYERS[layer_of(b)][0])
+              for a, path in sorted(known.items()) for b in sorted(imports(a, path, known))
+              if layer_of(b) > layer_of(a)]
+    assert upward == [], "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_of("sandman_ray.spec") < layer_of("sandman_ray.providers.syscalls")
+    assert layer_of("sandman_ray.images") < layer_of("sandman_ray.providers.base")
+    assert layer_of("sandman_ray.providers.nodes") < layer_of("sandman_ray.pool.cluster")
 
 
 def test_the_janitor_loads_no_ray():

@@ -14,7 +14,8 @@ from typing import List, Optional
 
 import ray
 
-from sandman_ray.pool.cluster import NAMESPACE, Clock, RayCluster, pool_actor_name
+from sandman_ray.names import NAMESPACE, pool_actor_name
+from sandman_ray.pool.cluster import Clock, RayCluster
 from sandman_ray.pool.metrics import PoolMetrics
 from sandman_ray.pool.reconciler import Reconciler
 from sandman_ray.pool.states import pack_lease, unpack_lease_request

@@ -17,23 +17,11 @@ from typing import Deque, Dict, Optional, Tuple
 
 import ray
 
+from sandman_ray.names import HOST_PREFIX, NAMESPACE
+
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "sandman"
 HOSTS_ANSWER_S = 10.0  # how long a restarted pool waits for the hosts' leases
-HOST_PREFIX = "sandman:sbx:"  # the names of handle hosts
-
-
-def pool_actor_name(pool: str) -> str:
-    return "sandman:pool:%s" % pool
-
-
-def pool_task_name(op: str, pool: str) -> str:
-    """The name of a pool's ``op`` calls on the Ray dashboard: ``sandman:<op>:<pool>``.
-    Never a sandbox id: Ray counts the tasks a process submits by name (its ``ray_tasks``
-    metric) and keeps every name's series for the life of the process, so a name per
-    sandbox would grow the submitter's memory with every sandbox it ever made."""
-    return "sandman:%s:%s" % (op, pool)
 
 
 class Clock:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from sandman_ray.errors import NotSupported, ProviderError, SandmanError
+# the kinds of ProviderError, beside it in errors.py, as every provider raises them
+from sandman_ray.errors import fatal, throttled, transient  # noqa: F401
 from sandman_ray.spec import DEFAULT_PACING, SandboxSpec, check_pool_name
 
 # How long a daemon may take to answer the readiness check (connect, ping, ``true``).
@@ -78,18 +80,6 @@ class SnapshotInfo:
         return {"name": self.name, "image": self.image, "base": self.base,
                 "size_bytes": self.size_bytes, "node_id": self.node_id,
                 "source": self.source, "created_at": self.created_at}
-
-
-def throttled(message: str) -> ProviderError:
-    return ProviderError(message, "throttled")
-
-
-def transient(message: str) -> ProviderError:
-    return ProviderError(message, "transient")
-
-
-def fatal(message: str) -> ProviderError:
-    return ProviderError(message, "fatal")
 
 
 async def check_answers(info: SandboxInfo) -> None:

@@ -17,14 +17,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandman_ray.errors import ProviderError
-from sandman_ray.pool.cluster import pool_task_name
+from sandman_ray.names import NAMESPACE, pool_task_name
 from sandman_ray.providers.base import (
     POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, fatal, transient)
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "sandman"
 NODES_TTL_S = 2.0
 
 

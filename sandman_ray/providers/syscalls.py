@@ -27,6 +27,10 @@ import errno
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
+# what a spec may ask for by name (the capabilities that lift a refusal below), and
+# what each lifts: checked where a spec is made
+from sandman_ray.spec import CAPABILITIES  # noqa: F401
+
 # What root inside a sandbox keeps, in every provider: the default set of container
 # engines but NET_RAW, which a spec must ask for. Gone, among others: SYS_ADMIN (mount),
 # SYS_PTRACE, SYS_MODULE, DAC_READ_SEARCH, NET_ADMIN, NET_RAW, SYS_TIME, SYS_RAWIO.
@@ -34,15 +38,6 @@ DEFAULT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "S
                         "SETUID", "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT",
                         "KILL", "AUDIT_WRITE")
 
-# What a spec may ask for by name (SandboxSpec.capabilities), and what each lifts.
-CAPABILITIES = {
-    "NET_RAW": "raw IP and packet sockets (ping without ICMP sockets, tcpdump); keeps "
-               "CAP_NET_RAW; the network filter still holds on the sandbox's interface",
-    "IO_URING": "io_uring_setup, io_uring_enter and io_uring_register",
-    "AIO": "Linux native AIO (io_setup, io_submit, io_getevents and the rest): its "
-           "contexts come from the node's fs.aio-max-nr, which no limit holds per "
-           "sandbox, so one sandbox that asks for it can take them all",
-}
 
 
 @dataclass(frozen=True)
@@ -180,17 +175,6 @@ SOCKET_RULES = (
     ("netlink protocols", "NETLINK_NETFILTER, NETLINK_XFRM, audit, generic netlink and "
      "every protocol but routes and socket diagnostics", errno.EPROTONOSUPPORT, None),
 )
-
-
-def check_capabilities(names: Iterable[str]) -> Tuple[str, ...]:
-    """``names`` as a sorted tuple; ValueError naming one that is not in CAPABILITIES."""
-    out = set()
-    for name in names:
-        if name not in CAPABILITIES:
-            raise ValueError("SandboxSpec.capabilities: %r is not one of %s"
-                             % (name, ", ".join(sorted(CAPABILITIES))))
-        out.add(name)
-    return tuple(sorted(out))
 
 
 def kept_capabilities(asked: Iterable[str]) -> Tuple[str, ...]:

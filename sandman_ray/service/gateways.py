@@ -25,7 +25,7 @@ import ray
 
 from sandman_ray import touches
 from sandman_ray.lookup import get_pool
-from sandman_ray.pool.cluster import NAMESPACE
+from sandman_ray.names import NAMESPACE
 from sandman_ray.service.relay import Gateway, Held, Refused, unauthorized
 from sandman_ray.service.tenants import of_a_key_form
 

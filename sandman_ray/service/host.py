@@ -30,7 +30,7 @@ import ray
 from sandman_ray import touches
 from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
 from sandman_ray.host import HOST_CALLS, _HandleHost
-from sandman_ray.pool.cluster import HOST_PREFIX, NAMESPACE
+from sandman_ray.names import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.service.answers import Refusal

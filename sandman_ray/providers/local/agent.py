@@ -80,7 +80,8 @@ class NodeAgent(AgentSnapshots):
         snapshots = secure_root(store_root / node_id[:16])
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
                                  snapshots_root=snapshots, image_roots=image_roots,
-                                 reserved=(self.state_root, cache, store_root))
+                                 reserved=(self.state_root, cache, store_root),
+                                 snapshot_store=SnapshotStore)
         self.snapshot_store = SnapshotStore(snapshots, pool)
         if snapshot_bytes is None:
             fs = os.statvfs(snapshots)

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Dict, Optional, Union
+from typing import Dict, Iterator, Optional, Union
 
 import ray
 
@@ -453,7 +453,7 @@ def _check_released(errors: list) -> None:
 
 @contextlib.contextmanager
 def sandbox(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: float = 60.0,
-            node: Optional[str] = None, auto_resume: bool = False):
+            node: Optional[str] = None, auto_resume: bool = False) -> Iterator[SandboxHandle]:
     """``with sandman_ray.sandbox() as sb: ray.get(sb.exec.remote("ls"))``"""
     handle = acquire(spec, pool, timeout, node=node, auto_resume=auto_resume)
     try:

@@ -14,7 +14,7 @@ directly to the daemon where the handle has a direct path (sandman_ray.direct).
 
 import threading
 import weakref
-from typing import Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 import ray
 
@@ -26,6 +26,12 @@ from sandman_ray.host import DESCRIBED, FORWARDED, STREAMED
 from sandman_ray import control
 from sandman_ray.lookup import (
     call_pool, call_pool_async, forget_named, get_named, get_pool, session_cache)
+
+if TYPE_CHECKING:
+    from sandman_ray.client.operations import _Operations as _Ops
+    from sandman_ray.handle_types import AsyncOp, Op, async_op, op
+    from sandman_ray.results import (
+        ExecResult, FileStat, Listing, ProcessOutput, ProcessStatus)
 
 
 class _Method:
@@ -223,6 +229,76 @@ class SandboxHandle:
     it has its sandbox paused resumes it first; without it such a call raises
     SandboxPaused. A pause is this handle's to know: a copy passed to another process
     does not see it."""
+
+    if TYPE_CHECKING:  # its operations, as type checkers see them (handle_types.py)
+        ping = op(_Ops.ping, dict)
+        ping_async = async_op(_Ops.ping, dict)
+        info = op(_Ops.info, dict)
+        info_async = async_op(_Ops.info, dict)
+        exec = op(_Ops.exec, ExecResult)
+        exec_async = async_op(_Ops.exec, ExecResult)
+        session_open = op(_Ops.session_open, dict)
+        session_open_async = async_op(_Ops.session_open, dict)
+        run = op(_Ops.run, ExecResult)
+        run_async = async_op(_Ops.run, ExecResult)
+        session_close = op(_Ops.session_close, dict)
+        session_close_async = async_op(_Ops.session_close, dict)
+        session_list = op(_Ops.session_list, list)
+        session_list_async = async_op(_Ops.session_list, list)
+        spawn = op(_Ops.spawn, int)
+        spawn_async = async_op(_Ops.spawn, int)
+        proc_status = op(_Ops.proc_status, ProcessStatus)
+        proc_status_async = async_op(_Ops.proc_status, ProcessStatus)
+        proc_list = op(_Ops.proc_list, list)
+        proc_list_async = async_op(_Ops.proc_list, list)
+        proc_output = op(_Ops.proc_output, ProcessOutput)
+        proc_output_async = async_op(_Ops.proc_output, ProcessOutput)
+        proc_wait = op(_Ops.proc_wait, ProcessStatus)
+        proc_wait_async = async_op(_Ops.proc_wait, ProcessStatus)
+        proc_follow = op(_Ops.proc_follow, ExecStream)
+        proc_follow_async = async_op(_Ops.proc_follow, ExecStream)
+        proc_stdin = op(_Ops.proc_stdin, int)
+        proc_stdin_async = async_op(_Ops.proc_stdin, int)
+        proc_signal = op(_Ops.proc_signal, ProcessStatus)
+        proc_signal_async = async_op(_Ops.proc_signal, ProcessStatus)
+        pty_open = op(_Ops.pty_open, dict)
+        pty_open_async = async_op(_Ops.pty_open, dict)
+        pty_write = op(_Ops.pty_write, dict)
+        pty_write_async = async_op(_Ops.pty_write, dict)
+        pty_read = op(_Ops.pty_read, dict)
+        pty_read_async = async_op(_Ops.pty_read, dict)
+        pty_resize = op(_Ops.pty_resize, dict)
+        pty_resize_async = async_op(_Ops.pty_resize, dict)
+        pty_close = op(_Ops.pty_close, dict)
+        pty_close_async = async_op(_Ops.pty_close, dict)
+        pty_list = op(_Ops.pty_list, list)
+        pty_list_async = async_op(_Ops.pty_list, list)
+        read_file = op(_Ops.read_file, bytes)
+        read_file_async = async_op(_Ops.read_file, bytes)
+        write_file = op(_Ops.write_file, int)
+        write_file_async = async_op(_Ops.write_file, int)
+        stat = op(_Ops.stat, FileStat)
+        stat_async = async_op(_Ops.stat, FileStat)
+        list_dir = op(_Ops.list_dir, Listing)
+        list_dir_async = async_op(_Ops.list_dir, Listing)
+        mkdir = op(_Ops.mkdir, dict)
+        mkdir_async = async_op(_Ops.mkdir, dict)
+        remove = op(_Ops.remove, dict)
+        remove_async = async_op(_Ops.remove, dict)
+        move = op(_Ops.move, dict)
+        move_async = async_op(_Ops.move, dict)
+        watch_dir = op(_Ops.watch_dir, ExecStream)
+        watch_dir_async = async_op(_Ops.watch_dir, ExecStream)
+        get_archive = op(_Ops.get_archive, bytes)
+        get_archive_async = async_op(_Ops.get_archive, bytes)
+        put_archive = op(_Ops.put_archive, int)
+        put_archive_async = async_op(_Ops.put_archive, int)
+        exec_stream = op(_Ops.exec_stream, ExecStream)
+        exec_stream_async: Callable[..., AsyncIterator[Any]]
+        sandbox_id: Op[[], str]
+        sandbox_id_async: AsyncOp[[], str]
+        node_id: Op[[], Optional[str]]
+        node_id_async: AsyncOp[[], Optional[str]]
 
     def __init__(self, host, lease_id: str, sandbox_id: str, node_id: Optional[str],
                  pool: str, owned: bool = True, host_name: Optional[str] = None,

@@ -11,8 +11,10 @@ remote traceback printed above it) when ``SANDMAN_RAY_TRACEBACK=1`` is set.
 import functools
 import inspect
 import os
+from typing import Any, Callable, TypeVar, cast
 
 TRACEBACK_ENV = "SANDMAN_RAY_TRACEBACK"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def plain(exc: BaseException) -> BaseException:
@@ -33,7 +35,7 @@ def plain(exc: BaseException) -> BaseException:
     return raised
 
 
-def plain_errors(fn):
+def plain_errors(fn: F) -> F:
     """``fn`` (a function or a coroutine function) raising ``plain`` errors."""
     def _raise(exc: BaseException):
         err = plain(exc)
@@ -50,7 +52,7 @@ def plain_errors(fn):
                 return await fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised again, as itself
                 _raise(exc)
-        return waited
+        return cast(F, waited)
 
     @functools.wraps(fn)
     def called(*args, **kwargs):
@@ -58,4 +60,4 @@ def plain_errors(fn):
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - raised again, as itself
             _raise(exc)
-    return called
+    return cast(F, called)

@@ -74,6 +74,7 @@ LAYERS = (
                                      "sandman_ray.errors", "sandman_ray.results",
                                      "sandman_ray.daemon")),
     ("what a sandbox is and how to talk to it", ("sandman_ray.spec", "sandman_ray.client",
+                                                 "sandman_ray.handle_types",
                                                  "sandman_ray.control", "sandman_ray.raised")),
     ("images", ("sandman_ray.images", "sandman_ray.image_builders", "sandman_ray.image_files",
                 "sandman_ray.image_layers", "sandman_ray.image_layouts", "sandman_ray.bundle")),

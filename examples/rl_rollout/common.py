@@ -3,7 +3,7 @@
 import argparse
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
 import ray
 
@@ -24,7 +24,8 @@ def init_ray(namespace: str) -> None:
     """A local Ray on two CPUs, or the running cluster ``RAY_ADDRESS`` names, whose
     workers (of this job) import this directory's modules."""
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    options = {"namespace": namespace, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
+    options: Dict[str, Any] = {"namespace": namespace,
+                               "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **options)
     else:

@@ -48,11 +48,11 @@ class LinearPolicy:
         """One policy-gradient step from a batch of (decision, reward), with the batch's
         mean reward as the baseline, or with the ``advantages`` given (GRPO-style, each
         reward against its group's: ``group_advantages``). Returns the gradient's norm."""
-        rewards = np.asarray(rewards, dtype=float)
-        advantages = rewards - rewards.mean() if advantages is None \
+        scores = np.asarray(rewards, dtype=float)
+        weighed = scores - scores.mean() if advantages is None \
             else np.asarray(advantages, dtype=float)
         grad = np.zeros_like(self.weights)
-        for decision, advantage in zip(decisions, advantages):
+        for decision, advantage in zip(decisions, weighed):
             probs = self.probabilities(self.weights, decision.features, decision.offered)
             chosen = np.zeros_like(probs)
             chosen[decision.action] = 1.0
@@ -66,8 +66,8 @@ def group_advantages(rewards: Sequence[float]) -> List[float]:
     """GRPO's advantage of each sample of one group (the same task, the same start):
     its reward against the group's mean, in units of the group's spread (0 for a
     group whose samples all scored alike: it teaches nothing)."""
-    rewards = np.asarray(rewards, dtype=float)
-    spread = rewards.std()
+    scores = np.asarray(rewards, dtype=float)
+    spread = scores.std()
     if spread == 0:
-        return [0.0] * len(rewards)
-    return list((rewards - rewards.mean()) / spread)
+        return [0.0] * len(scores)
+    return list((scores - scores.mean()) / spread)

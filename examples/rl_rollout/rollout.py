@@ -20,7 +20,6 @@ PREPARE_COMMAND = ("mkdir -p /opt/deps && cp -r /usr/lib/python3* /opt/deps/ && 
                    "python3 -m compileall -q /opt/deps")
 
 
-@ray.remote(num_cpus=0)  # waits on sandboxes; the sandboxes do the work
 class RolloutWorker:
     """Runs episodes: acquire a sandbox, put the task's repository in it, inspect the
     files, run the tests, apply the edit the policy picks, run the tests again; the
@@ -87,8 +86,8 @@ class RolloutWorker:
             await sb.put_archive.remote(REPO_DIR, task.tar())
             setup = await sb.exec.remote(["sh", "-c", PREPARE_COMMAND], timeout=120)
             if setup.exit_code != 0:
-                raise RuntimeError("task %s: its set-up failed: %s" % (task.task_id,
-                                                                      setup.stderr[-300:]))
+                raise RuntimeError("task %s: its set-up failed: %s" % (
+                    task.task_id, setup.stderr[-300:].decode(errors="replace")))
             begun = time.perf_counter()
             source = (await sb.exec.remote("cat " + task.module_path, cwd=REPO_DIR)).text
             exec_s = [time.perf_counter() - begun]
@@ -163,3 +162,7 @@ class RolloutWorker:
                 "reward": 1.0 if after.exit_code == 0 else 0.0,
                 "acquire_s": acquire_s, "exec_s": exec_s, "test_s": test_s,
                 "episode_s": time.perf_counter() - started}
+
+
+# an actor that waits on sandboxes (the sandboxes do the work): it takes no CPU
+RemoteRolloutWorker = ray.remote(num_cpus=0)(RolloutWorker)

@@ -104,7 +104,7 @@ def run_iteration(workers, weights, seeds: List[int], label: str,
 
 
 def train(args) -> Dict:
-    from rollout import RolloutWorker
+    from rollout import RemoteRolloutWorker
     spec = sandman.SandboxSpec(image=args.image, memory="512Mi", pids=256,
                                labels={"example": "rl_rollout"})
     in_flight = args.workers * args.concurrency
@@ -119,10 +119,12 @@ def train(args) -> Dict:
     if args.policy == "openai":
         openai = {"base_url": args.openai_base_url, "model": args.openai_model,
                   "api_key_env": args.openai_api_key_env}
-    workers = [RolloutWorker.options(name="rollout-worker-%d" % i).remote(
+    workers = [RemoteRolloutWorker.options(name="rollout-worker-%d" % i).remote(
         i, POOL, spec, args.concurrency, openai, args.seed) for i in range(args.workers)]
     policy = LinearPolicy(len(FEATURES), len(EDITS), args.learning_rate)
-    history, errors, all_records = [], [], []
+    history: List[dict] = []
+    errors: List[str] = []
+    all_records: List[dict] = []
     print("%4s %8s %6s %10s %12s %12s %10s %10s" % (
         "iter", "reward", "eps/s", "episodes", "acquire p50", "acquire p99", "exec p50",
         "tests p50"))
@@ -158,8 +160,8 @@ def train(args) -> Dict:
             row["tests_p50_ms"]), flush=True)
     wall = time.perf_counter() - started
     status = ray.get(sandman.get_pool(POOL).status.remote())
-    for worker in workers:
-        ray.kill(worker)
+    for worker in workers:  # (Ray's stubs type .remote() of an actor class as either)
+        ray.kill(worker)  # type: ignore[arg-type]
     sandman.shutdown_pool(POOL)
     return {"history": history, "errors": errors, "records": all_records, "wall_s": wall,
             "pool": status, "policy": policy}

@@ -4,7 +4,7 @@ what they share: streams of a command's output, requests, tar building."""
 
 import io
 import tarfile
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Sequence, Union
 
 from sandman_ray.errors import ResultTooLarge
 from sandman_ray.results import ExecResult, FileStat, Listing, ProcessOutput, ProcessStatus
@@ -392,7 +392,7 @@ class _Operations:
                           timeout=self.default_timeout)
 
 
-def tar_of(files: Dict[str, Union[str, bytes]], mode: int = 0o644) -> bytes:
+def tar_of(files: Mapping[str, Union[str, bytes]], mode: int = 0o644) -> bytes:
     """An uncompressed tar of ``{relative path: contents}``, for ``put_archive``."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w") as tar:

@@ -30,7 +30,8 @@ import ray
 from sandman_ray import touches
 from sandman_ray.client import AsyncDaemonClient, DaemonClient
 from sandman_ray.errors import (
-    AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost)
+    AuthError, CallTimeout, ConnectionLost, DaemonError, ExecTimeout, LeaseEnded, SandboxLost,
+    lease_lost)
 
 IDLE_CONNECTIONS = 2  # blocking connections a lease keeps open for its next calls
 TOUCH_EVERY_S = touches.TOUCH_EVERY_S  # how often a lease in use notes it (sandman_ray.touches)
@@ -340,13 +341,10 @@ class Direct:
     def _error(self, exc: Exception, op: str, reason: Optional[str]) -> Exception:
         with self.lock:
             mine = self.ended
-        why = reason or mine
-        if why is None and isinstance(exc, AuthError):
-            why = "sandbox %s no longer takes this lease's token" % self.sandbox_id
-        if why is not None:
-            self.close(why)
-            return LeaseEnded("lease %s has ended: %s" % (self.lease_id, why), why)
-        return SandboxLost("sandbox %s is gone (%s during %s)" % (self.sandbox_id, exc, op))
+        error = lease_lost(exc, op, self.sandbox_id, self.lease_id, reason or mine)
+        if isinstance(error, LeaseEnded):
+            self.close(error.reason)
+        return error
 
 
 def _made(fut: "asyncio.Future") -> Optional[AsyncDaemonClient]:

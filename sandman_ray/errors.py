@@ -81,6 +81,20 @@ class LeaseEnded(SandboxLost):
         return (type(self), (self.args[0], self.reason))
 
 
+def lease_lost(exc: Exception, op: str, sandbox_id: str, lease_id: str,
+               reason: Optional[str]) -> SandboxLost:
+    """The error of a call ``op`` whose daemon stopped answering its lease (``exc``:
+    what the connection raised), the one rule for a handle's host and its direct
+    path: LeaseEnded when the lease ended (``reason``: why, from the pool or the
+    handle; a daemon that refuses the lease's token was started again for another),
+    else SandboxLost."""
+    if reason is None and isinstance(exc, AuthError):
+        reason = "sandbox %s no longer takes this lease's token" % sandbox_id
+    if reason is not None:
+        return LeaseEnded("lease %s has ended: %s" % (lease_id, reason), reason)
+    return SandboxLost("sandbox %s is gone (%s during %s)" % (sandbox_id, exc, op))
+
+
 class LeaseNotHeld(SandmanError):
     """A call that acts on a lease (release, touch, register) came from someone who
     does not hold it, and was refused."""

@@ -42,7 +42,7 @@ from sandman_ray.client import AsyncDaemonClient
 from sandman_ray.daemon.sandmand.wire import OPS, CodecError, unpack
 from sandman_ray.direct import TOUCH_EVERY_S
 from sandman_ray.errors import (
-    AuthError, CallTimeout, ConnectionLost, ExecTimeout, LeaseEnded, SandboxLost)
+    AuthError, CallTimeout, ConnectionLost, ExecTimeout, LeaseEnded, SandboxLost, lease_lost)
 from sandman_ray.pool.metrics import handle_call_latency
 from sandman_ray.pool.states import EndedLeases
 
@@ -428,13 +428,12 @@ class _HandleHost:
         if isinstance(exc, CallTimeout):
             return ExecTimeout("%s on sandbox %s: %s" % (op, lease.sandbox_id, exc))
         reason = self.ended.get(lease.lease_id) or await self._ended_at_pool(lease)
-        if reason is None and isinstance(exc, AuthError):  # started again for another lease
-            reason = "sandbox %s no longer takes this lease's token" % lease.sandbox_id
-        if reason is not None:
-            return self._lease_over(lease.lease_id, reason)
+        error = lease_lost(exc, op, lease.sandbox_id, lease.lease_id, reason)
+        if isinstance(error, LeaseEnded):
+            return self._lease_over(lease.lease_id, error.reason)
         if held.client is not None and held.client.closed:
             held.client = None  # the next call connects again
-        return SandboxLost("sandbox %s is gone (%s during %s)" % (lease.sandbox_id, exc, op))
+        return error
 
     @ray.method(num_returns="streaming", max_task_retries=0,
                 _generator_backpressure_num_objects=STREAM_AHEAD)

@@ -8,7 +8,7 @@ same plans over asyncio with many requests in flight on one connection (for asyn
 callers and the providers' probes). Both use the daemon's own frame definitions,
 codec and op table (``sandmand.wire``): each method is named as the op it sends.
 
-``operations`` holds the plans and what both clients share, ``connection`` reaching a
+``operations`` holds the plans (``ops_*.py``, over ``plans.py``), ``connection`` reaching a
 daemon and reading its replies, ``blocking`` and ``aio`` the two clients.
 """
 

@@ -159,3 +159,22 @@ def test_a_grpo_batch_of_rewards_leaves_no_lease_open(fusion):
             (i, result, [m for m, r in zip(metadata, result) if r is not True and r is not False])
     assert connect(fusion["url"], fusion["alice"]).leases() == []
     wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)
+
+
+def test_a_request_that_finds_no_room_within_its_timeouts_answers_504(fusion):
+    """carol may hold one sandbox at a time. While a slow program holds it, a request
+    whose compile and run timeouts together end before a sandbox frees up answers 504,
+    a gateway's timeout, which verl's client retries (it takes any other refusal as
+    the program's failure), and the slow program still runs to its end."""
+    endpoint = "%s/fusion/%s/run_code" % (fusion["url"], fusion["carol"])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, endpoint, {"code": "import time; time.sleep(6); print('done')",
+                                            "language": "python", "run_timeout": 20})
+        wait_until(lambda: leased(fusion["pool"]) == 1, timeout=30)
+        status, answer = post(endpoint, {"code": "print(1)", "language": "python",
+                                         "compile_timeout": 0.5, "run_timeout": 0.5})
+        assert status == 504, answer
+        assert "no sandbox was free" in answer["detail"] and "try again" in answer["detail"]
+        status, done = slow.result()
+    assert status == 200 and done["run_result"]["stdout"] == "done\n", done
+    wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)

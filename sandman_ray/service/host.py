@@ -377,7 +377,7 @@ class ServiceHost(_HandleHost):
         """SandboxFusion's ``/run_code`` (service/fusion.py): ``request`` run in a
         sandbox of the fusion image on this node, lent for it alone (a tenant at its
         limit waits for room rather than be refused, as long as the request's timeouts
-        together), and given back."""
+        together; then 504, which SandboxFusion's clients retry), and given back."""
         from sandman_ray.client.aio import AsyncDaemonClient
         from sandman_ray.service import fusion
         spec = SandboxSpec(image=self.fusion_image)
@@ -390,8 +390,12 @@ class ServiceHost(_HandleHost):
                 break
             except Refusal as no:  # at its limit: asked again when one of its leases ends
                 left = deadline - time.monotonic()
-                if no.status != 429 or left <= 0:
+                if no.status != 429:
                     raise
+                if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
+                    raise Refusal(504, "timeout", "no sandbox was free for this request "
+                                  "within its compile and run timeouts (%g s): %s; try again"
+                                  % (budget, no.message)) from None
                 freed = self.freed.setdefault(tenant, asyncio.Event())
                 freed.clear()
                 try:  # (at least once a second: a limit may be raised meanwhile)

@@ -394,7 +394,7 @@ class ServiceHost(_HandleHost):
                     raise
                 if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
                     raise Refusal(504, "timeout", "no sandbox was free for this request "
-                                  "within its compile and run timeouts (%g s): %s; try again"
+                                  "within its compile and run timeouts (%.1f s): %s; try again"
                                   % (budget, no.message)) from None
                 freed = self.freed.setdefault(tenant, asyncio.Event())
                 freed.clear()

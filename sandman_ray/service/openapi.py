@@ -184,7 +184,10 @@ def _fusion_paths() -> dict:
                    "status": {"enum": ["Success", "Failed", "SandboxError"]},
                    "message": {"type": "string"}, "compile_result": _RESULT,
                    "run_result": _RESULT, "files": {"type": "object"}}}}}},
-               "401": detail, "413": detail, "422": detail, "429": detail}}
+               "401": detail, "413": detail, "422": detail, "429": detail,
+               # the tenant at its limit, and no room within the request's timeouts: a
+               # gateway's timeout, which SandboxFusion's clients retry
+               "504": detail}}
     ping = {"summary": "SandboxFusion's ping", "responses": {
         "200": {"description": "pong", "content": {"text/plain": {"schema": {"type": "string"}}}},
         "401": detail}}

@@ -66,7 +66,7 @@ TEST_FAST := $(wildcard tests/test_daemon_*.py) tests/test_codec.py tests/test_b
 	tests/test_errors.py tests/test_python_versions.py tests/test_reconciler.py \
 	tests/test_reconciler_keepalive.py tests/test_service_keys.py tests/test_service_relay.py \
 	tests/test_service.py \
-	tests/test_touches.py \
+	tests/test_touches.py tests/test_pool_calls.py \
 	tests/test_security.py tests/test_syscall_policy.py tests/test_cluster_configs.py \
 	tests/test_dashboard.py tests/test_escape.py tests/test_escape_pools.py \
 	tests/test_escape_renew.py tests/test_escape_network_filter.py

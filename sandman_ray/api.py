@@ -13,12 +13,13 @@ import ray
 from sandman_ray.direct import Direct
 from sandman_ray.errors import AcquireTimeout, SandboxLost, SandmanError
 from sandman_ray.handle import SandboxHandle
-from sandman_ray.host import POOL_CALL_ATTEMPTS, HandleHost
+from sandman_ray.host import HandleHost
 from sandman_ray.lookup import current, forget_pool, get_pool, looked_up_again, session_cache
 from sandman_ray.pool.actor import PoolActor
 from sandman_ray.names import HOST_PREFIX, NAMESPACE, pool_actor_name, pool_task_name
 from sandman_ray.pool.states import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
+from sandman_ray.pool_calls import asking, carried, carried_async
 from sandman_ray.raised import plain_errors
 from sandman_ray.spec import ANYWHERE, DEFAULT_IMAGE, PoolConfig, SandboxSpec, check_pool_name
 
@@ -245,47 +246,25 @@ def _placement(node: Optional[str]) -> Optional[str]:
 def _leased(actor, host: _Host, node: str, pool: str, spec: SpecLike,
             client: Optional[str], deadline: float, lease_id: str, where: Optional[str]):
     """The pool's lease of ``lease_id`` for ``host``, asked again (the same lease id: a
-    restarted pool serves it once) while Ray restarts the pool."""
-    for attempt in range(POOL_CALL_ATTEMPTS):
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id, where)
-        try:
-            return unpack_lease(ray.get(asked, timeout=max(deadline - time.monotonic(), 0) + 30))
-        except ray.exceptions.ActorUnavailableError:
-            if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
-                raise
-            time.sleep(_restart_wait(attempt))
-        except ray.exceptions.ActorDiedError as exc:
-            actor = _pool_again(pool, actor, attempt, exc)
+    restarted pool serves it once) while Ray restarts the pool (``pool_calls``)."""
+    return unpack_lease(carried(
+        _asking_lease(actor, host, node, pool, spec, client, deadline, lease_id, where),
+        lambda: max(deadline - time.monotonic(), 0) + 30))
 
 
 async def _leased_async(actor, host: _Host, node: str, pool: str, spec: SpecLike,
                         client: Optional[str], deadline: float, lease_id: str,
                         where: Optional[str]):
-    for attempt in range(POOL_CALL_ATTEMPTS):
-        asked = _ask(actor, host, node, pool, spec, client, deadline, lease_id, where)
-        try:
-            return unpack_lease(await asyncio.wait_for(
-                asked, max(deadline - time.monotonic(), 0) + 30))
-        except ray.exceptions.ActorUnavailableError:
-            if attempt + 1 == POOL_CALL_ATTEMPTS or time.monotonic() >= deadline:
-                raise
-            await asyncio.sleep(_restart_wait(attempt))
-        except ray.exceptions.ActorDiedError as exc:
-            actor = _pool_again(pool, actor, attempt, exc)
+    return unpack_lease(await carried_async(
+        _asking_lease(actor, host, node, pool, spec, client, deadline, lease_id, where),
+        lambda: max(deadline - time.monotonic(), 0) + 30))
 
 
-def _pool_again(pool: str, actor, attempt: int, exc: BaseException):
-    """The pool's actor looked up once more, when the one this process cached died for
-    good (the pool shut down and created anew, by another process perhaps); the
-    error again where it is the same actor, or on a last attempt."""
-    fresh = looked_up_again(pool, actor) if attempt + 1 < POOL_CALL_ATTEMPTS else None
-    if fresh is None:
-        raise exc
-    return fresh
-
-
-def _restart_wait(attempt: int) -> float:
-    return float(min(0.05 * 2 ** attempt, 1.0))
+def _asking_lease(actor, host: _Host, node: str, pool: str, spec: SpecLike,
+                  client: Optional[str], deadline: float, lease_id: str, where: Optional[str]):
+    return asking(lambda current: _ask(current, host, node, pool, spec, client, deadline,
+                                       lease_id, where),
+                  actor, lambda dead: looked_up_again(pool, dead), deadline)
 
 
 def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
@@ -371,73 +350,43 @@ def release(handle: SandboxHandle) -> None:
     stops forwarding and the pool ends the lease, both at once (asked again while Ray
     restarts the pool). A handle whose host died is released at the pool all the
     same."""
-    steps = _releasing(handle)
-    step = next(steps)
-    try:
-        while True:
-            if isinstance(step, float):  # the pool restarts: wait, then ask again
-                time.sleep(step)
-                step = steps.send(None)
-                continue
-            try:
-                ray.get(step)
-                outcome = None
-            except BaseException as exc:  # noqa: BLE001 - sorted out by _releasing
-                outcome = exc
-            step = steps.send(outcome)
-    except StopIteration:
-        pass
+    carried(_releasing(handle))
 
 
 @plain_errors
 async def release_async(handle: SandboxHandle) -> None:
-    steps = _releasing(handle)
-    step = next(steps)
-    try:
-        while True:
-            if isinstance(step, float):
-                await asyncio.sleep(step)
-                step = steps.send(None)
-                continue
-            try:
-                await step
-                outcome = None
-            except BaseException as exc:  # noqa: BLE001 - sorted out by _releasing
-                outcome = exc
-            step = steps.send(outcome)
-    except StopIteration:
-        pass
+    await carried_async(_releasing(handle))
 
 
 def _releasing(handle: SandboxHandle):
-    """A release's steps, for ``release`` and ``release_async`` to carry out: it yields
-    an ObjectRef to wait for (and is sent its error, or None) or a float, seconds to
-    wait before it asks the restarting pool again; it raises what the release must."""
+    """A release's plan (``pool_calls``): the host's release and the pool's are sent
+    together, the pool's made again while Ray restarts the pool; it raises what the
+    release must."""
     host_ref, ask_pool = _release_calls(handle)
-    pool_ref = ask_pool() if ask_pool else None
-    errors = [(yield host_ref)]
-    for attempt in range(POOL_CALL_ATTEMPTS if ask_pool else 0):
-        exc = yield pool_ref
-        if isinstance(exc, ray.exceptions.ActorUnavailableError) \
-                and attempt + 1 < POOL_CALL_ATTEMPTS:
-            yield _restart_wait(attempt)
-            pool_ref = ask_pool()
-            continue
-        errors.append(exc)
-        break
+    pool_plan = asking(ask_pool, get_pool(handle.pool), lambda dead: None) \
+        if ask_pool else None
+    pool_step = next(pool_plan) if pool_plan is not None else None  # (sent at once)
+    ok, value = yield host_ref
+    errors = [None if ok else value]
+    if pool_plan is not None:
+        try:
+            while True:
+                pool_step = pool_plan.send((yield pool_step))
+        except StopIteration:
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - sorted out below
+            errors.append(exc)
     _check_released(errors)
 
 
 def _release_calls(handle: SandboxHandle) -> tuple:
-    """The host's release (an ObjectRef) and a function that asks the pool's, both
-    sent together (a handle that does not name its host leaves the pool's to the
-    host: None)."""
+    """The host's release (an ObjectRef, sent now) and how to ask the pool's of a pool
+    actor (a handle that does not name its host leaves the pool's to the host: None)."""
     handle._released()
     if handle._host_name is None:
         return handle._host.release.remote(handle.lease_id, handle.pool), None
-    pool, named = get_pool(handle.pool), ("%s\0%s" % (handle.lease_id,
-                                                       handle._host_name)).encode()
-    return handle._host.drop.remote(handle.lease_id), lambda: pool.release.remote(named)
+    named = ("%s\0%s" % (handle.lease_id, handle._host_name)).encode()
+    return handle._host.drop.remote(handle.lease_id), lambda pool: pool.release.remote(named)
 
 
 def _check_released(errors: list) -> None:

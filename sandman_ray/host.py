@@ -45,6 +45,7 @@ from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, ExecTimeout, LeaseEnded, SandboxLost, lease_lost)
 from sandman_ray.pool.metrics import handle_call_latency
 from sandman_ray.pool.states import EndedLeases
+from sandman_ray.pool_calls import asking, carried_async
 
 # The daemon operations a handle forwards: the public ops of the daemon's op table, each
 # to the client's method of the same name (see sandman_ray.client for their arguments).
@@ -52,7 +53,6 @@ FORWARDED = tuple(op.name for op in OPS if op.public)
 # What a handle answers about itself, through its host.
 DESCRIBED = ("sandbox_id", "node_id")
 HOST_RESTARTS = 3
-POOL_CALL_ATTEMPTS = 20  # a host's calls to a PoolActor that Ray is restarting
 # Calls a host runs at once (coroutines: no thread each); more wait in Ray's queue.
 HOST_CALLS = 10000
 # A call that arrives before the pool's offer of its lease (``take``; both are sent at
@@ -141,27 +141,23 @@ class _HandleHost:
         return handle
 
     async def _tell_pool(self, pool: str, method: str, *args):
-        """A call to the pool, asked again while Ray restarts it (a release that is
-        lost would leave the lease held by this live host for good); a cached handle
-        found dead is looked up once more (the pool shut down and created anew)."""
-        looked_again = False
-        for attempt in range(POOL_CALL_ATTEMPTS):
-            try:
-                return await getattr(self._pool(pool), method).remote(*args)
-            except ray.exceptions.ActorUnavailableError:
-                if attempt + 1 == POOL_CALL_ATTEMPTS:
-                    raise
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))  # while it restarts
-            except ray.exceptions.RayActorError as exc:
-                dead = self.pools.pop(pool, None)
-                if looked_again or dead is None:
-                    raise
-                looked_again = True
-                try:
-                    if self._pool(pool)._actor_id == dead._actor_id:
-                        raise
-                except ValueError:  # no pool of that name any more
-                    raise exc from None
+        """A call to the pool, made again while Ray restarts it (a release that is lost
+        would leave the lease held by this live host for good), and of the pool
+        looked up once more when the cached handle's actor is dead (``pool_calls``)."""
+        return await carried_async(asking(
+            lambda actor: getattr(actor, method).remote(*args), self._pool(pool),
+            lambda dead: self._pool_again(pool, dead)))
+
+    def _pool_again(self, pool: str, dead):
+        """The pool's actor looked up anew, once ``dead`` turned out dead; None when there
+        is no other (the pool itself is gone)."""
+        if self.pools.get(pool) is dead:
+            del self.pools[pool]
+        try:
+            fresh = self._pool(pool)
+        except ValueError:  # no pool of that name any more
+            return None
+        return None if fresh._actor_id == dead._actor_id else fresh
 
     def _changed(self) -> None:
         """Wake the calls that wait for a lease to be taken or to end."""

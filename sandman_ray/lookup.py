@@ -12,6 +12,7 @@ import ray
 from sandman_ray.errors import SandmanError
 from sandman_ray.spec import check_pool_name
 from sandman_ray.names import NAMESPACE, pool_actor_name
+from sandman_ray.pool_calls import asking, carried, carried_async
 
 _pools: Dict[str, object] = {}  # pool name -> actor handle
 _cached_for = [None]  # the Ray session the caches belong to
@@ -76,28 +77,20 @@ def looked_up_again(name: str, pool):
 
 
 def call_pool(name: str, method: str, *args):
-    """``ray.get`` of one call to pool ``name``; on a cached handle whose actor is
-    dead, the pool is looked up once more and asked again."""
-    pool = get_pool(name)
-    try:
-        return ray.get(getattr(pool, method).remote(*args))
-    except ray.exceptions.RayActorError:
-        fresh = looked_up_again(name, pool)
-        if fresh is None:
-            raise
-        return ray.get(getattr(fresh, method).remote(*args))
+    """``ray.get`` of one call to pool ``name``, made again while Ray restarts the pool,
+    and of the pool looked up once more when a cached handle's actor is dead
+    (``pool_calls``)."""
+    return carried(_asking(name, method, args))
 
 
 async def call_pool_async(name: str, method: str, *args):
     """``call_pool`` for asyncio code."""
-    pool = get_pool(name)
-    try:
-        return await getattr(pool, method).remote(*args)
-    except ray.exceptions.RayActorError:
-        fresh = looked_up_again(name, pool)
-        if fresh is None:
-            raise
-        return await getattr(fresh, method).remote(*args)
+    return await carried_async(_asking(name, method, args))
+
+
+def _asking(name: str, method: str, args: tuple):
+    return asking(lambda actor: getattr(actor, method).remote(*args), get_pool(name),
+                  lambda dead: looked_up_again(name, dead))
 
 
 _named: Dict[str, object] = session_cache({})  # actor name -> handle (pause controllers)

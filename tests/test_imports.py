@@ -82,7 +82,7 @@ LAYERS = (
     ("the pool", ("sandman_ray.pool",)),
     ("handles and their hosts", ("sandman_ray.host", "sandman_ray.handle", "sandman_ray.direct",
                                  "sandman_ray.lookup", "sandman_ray.touches",
-                                 "sandman_ray.forking")),
+                                 "sandman_ray.forking", "sandman_ray.pool_calls")),
     ("the public API", ("sandman_ray", "sandman_ray.api", "sandman_ray.forks",
                         "sandman_ray.remote")),
     ("what is built on it", ("sandman_ray.service", "sandman_ray.integrations",

@@ -57,8 +57,8 @@ def asking(ask: Callable[[Any], Any], actor, again: Callable[[Any], Optional[Any
 def carried(plan: Plan, timeout: Optional[Callable[[], float]] = None):
     """The value of ``plan``, each attempt waited for with ``ray.get`` (at most
     ``timeout()`` seconds, where given)."""
-    step = next(plan)
-    while True:
+    step, done = next(plan), False
+    while not done:
         if isinstance(step, float):
             time.sleep(step)
             outcome = None
@@ -67,26 +67,30 @@ def carried(plan: Plan, timeout: Optional[Callable[[], float]] = None):
                 outcome = (True, ray.get(step, timeout=timeout() if timeout else None))
             except Exception as exc:  # noqa: BLE001 - the plan says what it means
                 outcome = (False, exc)
-        try:
-            step = plan.send(outcome)
-        except StopIteration as done:
-            return done.value
+        step, done = _sent(plan, outcome)
+    return step
 
 
 async def carried_async(plan: Plan, timeout: Optional[Callable[[], float]] = None):
     """``carried`` for asyncio code."""
-    step = next(plan)
-    while True:
+    step, done = next(plan), False
+    while not done:
         if isinstance(step, float):
             await asyncio.sleep(step)
             outcome = None
         else:
             try:
-                value = await (asyncio.wait_for(step, timeout()) if timeout else step)
-                outcome = (True, value)
+                outcome = (True, await (asyncio.wait_for(step, timeout()) if timeout
+                                        else step))
             except Exception as exc:  # noqa: BLE001 - the plan says what it means
                 outcome = (False, exc)
-        try:
-            step = plan.send(outcome)
-        except StopIteration as done:
-            return done.value
+        step, done = _sent(plan, outcome)
+    return step
+
+
+def _sent(plan: Plan, outcome) -> tuple:
+    """``(the plan's next step, False)``, or ``(its value, True)`` once it has one."""
+    try:
+        return plan.send(outcome), False
+    except StopIteration as finished:
+        return finished.value, True

@@ -176,6 +176,7 @@ def acquire(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", timeout: floa
     (started meanwhile if this is the first acquire), and hands the host the lease to
     connect. Only a sandbox the host cannot reach (a unix socket on another node)
     takes a second call, to the host there."""
+    spec = _spec_of(spec)  # a bad spec is said before anything starts
     actor = _pool_for(pool)  # no pool: fails here
     where = _placement(node)
     deadline = time.monotonic() + timeout
@@ -204,6 +205,7 @@ async def acquire_async(spec: SpecLike = DEFAULT_IMAGE, pool: str = "default", t
                         client: Optional[str] = None, node: Optional[str] = None,
                         auto_resume: bool = False) -> SandboxHandle:
     """``acquire`` for async actors and tasks: ``handle = await acquire_async(...)``."""
+    spec = _spec_of(spec)
     actor = _pool_for(pool)
     where = _placement(node)
     deadline = time.monotonic() + timeout
@@ -267,12 +269,16 @@ def _asking_lease(actor, host: _Host, node: str, pool: str, spec: SpecLike,
                   actor, lambda dead: looked_up_again(pool, dead), deadline)
 
 
+def _spec_of(spec: SpecLike) -> Union[SandboxSpec, str]:
+    """What an acquire asks the pool for: an image string as it is (the pool reads it),
+    any other spec as a SandboxSpec (a ValueError or TypeError naming what is wrong)."""
+    return spec if isinstance(spec, str) else SandboxSpec.of(spec)
+
+
 def _ask(actor, host: _Host, node: str, pool: str, spec: SpecLike, client: Optional[str],
          deadline: float, lease_id: str, where: Optional[str]):
     """The pool's ``lease`` call for ``host`` (an ObjectRef), under a task name the Ray
     dashboard shows."""
-    if not isinstance(spec, str):
-        spec = SandboxSpec.of(spec)
     return actor.lease.options(name=pool_task_name("acquire", pool)).remote(pack_lease_request(
         spec, client or _client_id(), max(deadline - time.monotonic(), 0.001), host.name,
         node, lease_id, where))

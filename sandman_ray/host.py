@@ -280,18 +280,9 @@ class _HandleHost:
             await self._tell_pool(pool, "release", lease_id, self.name)
         except ValueError:  # no pool of that name
             pass
-        except ray.exceptions.RayActorError:  # its actor died and none took its name
-            if self._pool_exists(pool):
+        except ray.exceptions.RayActorError:  # its actor died; _pool_again found no
+            if pool in self.pools:  # pool of that name (and cached none) unless it stands
                 raise
-
-    @staticmethod
-    def _pool_exists(pool: str) -> bool:
-        from sandman_ray.names import NAMESPACE, pool_actor_name
-        try:
-            ray.get_actor(pool_actor_name(pool), namespace=NAMESPACE)
-            return True
-        except ValueError:
-            return False
 
     async def drop(self, lease_id: str) -> bool:
         """``release`` without telling the pool: ``sandman_ray.release`` ends the lease

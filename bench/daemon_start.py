@@ -63,7 +63,8 @@ def prepare(work: Path, old_rev: str) -> dict:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", old_rev], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
-    # its builder finds its daemon as sandman_ray.daemon (in an install, daemon/)
+    # its builder finds its daemon as sandman_ray.daemon, then at daemon/ (mapped when
+    # installed); here a link does
     (old_tree / "sandman_ray" / "daemon").symlink_to("../daemon")
     for tree, dest in ((old_tree, work / "b-old"), (ROOT, work / "b-new")):
         subprocess.run([sys.executable, "-m", "sandman_ray.bundle", str(dest)], cwd=str(tree),
@@ -75,7 +76,8 @@ def prepare(work: Path, old_rev: str) -> dict:
         meta = json.loads((bundle / "BUNDLE.json").read_text())
         return [str(bundle / "lib" / meta["loader"]), "--library-path", str(bundle / "lib"),
                 str(bundle / "bin" / "python3"), "-IS"] + list(args)
-    old_daemon, new_daemon = old_tree / "daemon" / "sandmand.py", ROOT / "daemon" / "sandmand"
+    old_daemon, new_daemon = (old_tree / "daemon" / "sandmand.py",
+                              ROOT / "sandman_ray" / "daemon" / "sandmand")
     return {
         "import, checkout": (
             [python, "-I", "-S", "-c", IMPORT % ([str(old_daemon.parent)], "sandmand")],

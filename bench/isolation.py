@@ -125,9 +125,10 @@ def baseline_tree(ref: str) -> Optional[Path]:
         if done.returncode != 0:
             print("isolation: no baseline %s: %s" % (ref, done.stderr.strip()), file=sys.stderr)
             return None
-    # the package maps sandman_ray.daemon to daemon/ when installed; here a link does
+    # a tree from before the daemon moved into the package had it at daemon/, mapped to
+    # sandman_ray.daemon when installed; here a link does
     link = where / "sandman_ray" / "daemon"
-    if not link.exists():
+    if (where / "daemon").is_dir() and not link.exists():
         link.symlink_to("../daemon")
     return where
 

@@ -38,7 +38,7 @@ import minimal_daemon  # bench/minimal_daemon.py
 import progress  # bench/progress.py
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMON = ROOT / "daemon" / "sandmand"  # the package, run as a directory
+DAEMON = ROOT / "sandman_ray" / "daemon" / "sandmand"  # the package, run as a directory
 # Every daemon and the floor get the environment a sandbox gets (the size of the
 # environment and the length of PATH change the cost of a spawn).
 SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

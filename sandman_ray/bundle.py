@@ -40,7 +40,7 @@ import sandman_ray.daemon.sandmand as sandmand
 
 logger = logging.getLogger(__name__)
 
-DAEMON_PACKAGE = Path(sandmand.__file__).parent  # daemon/sandmand/
+DAEMON_PACKAGE = Path(sandmand.__file__).parent  # sandman_ray/daemon/sandmand/
 
 DEFAULT_MOUNT = "/.sandman"
 # Not needed by the daemon and each pulls in more shared libraries (zlib, OpenSSL ...):

@@ -16,8 +16,8 @@ import pytest
 from sandman_ray import DaemonClient
 
 ROOT = Path(__file__).resolve().parent.parent
-# the daemon package, run as a directory (``python -I -S daemon/sandmand`` works too)
-DAEMON = ROOT / "daemon" / "sandmand"
+# the daemon package, run as a directory (``python -I -S sandman_ray/daemon/sandmand`` works too)
+DAEMON = ROOT / "sandman_ray" / "daemon" / "sandmand"
 CACHE = ROOT / ".cache"
 TOKEN = "test-token-0123456789"
 # The project's own test images (busybox, debootstrap's rootfs) are the dir: images the

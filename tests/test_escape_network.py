@@ -275,15 +275,10 @@ def run_as_nobody(work: str, port: int, targets, probe: str = "", checks=(),
     mnt = tempfile.mkdtemp(prefix="sandman-nobody-")
     os.chmod(mnt, 0o755)
     try:
-        for sub in ("python", "site", "repo", "pkgs/sandman_ray"):
+        for sub in ("python", "site", "repo", "pkgs"):
             os.makedirs(os.path.join(mnt, sub))
-        for entry in os.listdir(ROOT / "sandman_ray"):  # the package as installed maps it
-            if entry == "daemon":  # (a checkout may link it in place)
-                continue
-            os.symlink(os.path.join(mnt, "repo", "sandman_ray", entry),
-                       os.path.join(mnt, "pkgs", "sandman_ray", entry))
-        os.symlink(os.path.join(mnt, "repo", "daemon"),
-                   os.path.join(mnt, "pkgs", "sandman_ray", "daemon"))
+        os.symlink(os.path.join(mnt, "repo", "sandman_ray"),
+                   os.path.join(mnt, "pkgs", "sandman_ray"))
         script = ("mount --bind -o ro %s %s/python && mount --bind -o ro %s %s/site && "
                   "mount --bind -o ro %s %s/repo && exec setpriv --reuid %d --regid %d "
                   "--clear-groups env -i HOME=%s PATH=/usr/sbin:/usr/bin:/sbin:/bin "

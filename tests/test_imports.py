@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"sandman_ray": ROOT / "sandman_ray", "sandman_ray.daemon": ROOT / "daemon"}
+PACKAGES = {"sandman_ray": ROOT / "sandman_ray"}
 
 
 def modules():
@@ -18,7 +18,7 @@ def modules():
         for path in sorted(base.rglob("*.py")):
             rel = path.relative_to(base).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            if "docs" in parts or (package == "sandman_ray" and parts[:1] == ["daemon"]):
+            if "docs" in parts:
                 continue
             found[".".join([package] + parts)] = path
     return found

@@ -1,5 +1,5 @@
-"""Clients of the sandbox daemon (``daemon/sandmand/``; its protocol is
-``daemon/docs/protocol.md``).
+"""Clients of the sandbox daemon (``sandman_ray/daemon/sandmand/``; its protocol is
+``sandman_ray/daemon/docs/protocol.md``).
 
 Every operation is written once, as a *plan*: a generator that yields the requests it
 needs and receives their results. ``DaemonClient`` drives plans over a blocking socket

@@ -12,7 +12,7 @@ The gateway checks the key, and that the lease is one its tenant holds (another
 tenant's lease answers 404, as one that never existed); it opens the daemon's socket
 and says the hello with the lease's token, which never leaves the gateway; then it
 answers ``101 Switching Protocols`` and relays bytes both ways, untouched: from there
-the connection is a daemon connection after its hello (daemon/docs/protocol.md), which
+the connection is a daemon connection after its hello (sandman_ray/daemon/docs/protocol.md), which
 the client drives with the same code as a direct one (``DaemonClient(sock=...)``).
 So an op costs what it costs directly, plus two copies in the gateway and the TCP hop.
 

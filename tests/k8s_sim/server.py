@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-DAEMON_SCRIPT = ROOT / "daemon" / "sandmand"  # the package, run as a directory
+DAEMON_SCRIPT = ROOT / "sandman_ray" / "daemon" / "sandmand"  # the package, run as a directory
 
 
 @dataclass

@@ -10,7 +10,7 @@ the daemon's process, and its bounding set), ``commands`` (exactly once: command
 with an id), ``daemon`` (the Daemon: state, lifecycle,
 listening), ``ops/`` (the operations, by group), ``connection`` (frames in, replies
 out, dispatch) and ``__main__`` (arguments and main: ``python -m sandmand``, or
-``python daemon/sandmand`` from a checkout). This file is imported first on every start:
+``python sandman_ray/daemon/sandmand`` from a checkout). This file is imported first on every start:
 it stays this small.
 """
 

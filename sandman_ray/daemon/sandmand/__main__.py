@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m sandmand | python daemon/sandmand | python sandmand.pyz
+    python -m sandmand | python sandman_ray/daemon/sandmand | python sandmand.pyz
                 --listen unix:/run/sandman/sock | tcp:HOST:PORT | fd:N
                 [--token-file FILE | --token-fd N]   (else the SANDMAN_TOKEN variable;
                                                       the file is removed once read)
@@ -33,7 +33,7 @@ import os
 import sys
 
 if __name__ == "__main__" and not __package__:
-    # run as a directory (python daemon/sandmand): the package is imported from the
+    # run as a directory (python sandman_ray/daemon/sandmand): the package is imported from the
     # directory above, and this file's relative imports resolve in it (PEP 366; no
     # spec: it would name another package)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

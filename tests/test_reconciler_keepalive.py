@@ -15,7 +15,7 @@ HOST = "gateway"
 
 
 def lent(pool):
-    return [r for r in pool.records.values() if r.state is State.LEASED]
+    return [r for r in pool.state.records.values() if r.state is State.LEASED]
 
 
 def test_a_kept_lease_outlives_its_host_and_ends_when_no_longer_kept():
@@ -25,25 +25,25 @@ def test_a_kept_lease_outlives_its_host_and_ends_when_no_longer_kept():
         pool, _, clock, cluster = make(warm={SPEC: 1}, lease_grace_s=10)
         await settle(pool)
         cluster.hosts = {HOST}
-        lease = await pool.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k1",
+        lease = await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k1",
                                  keepalive_s=30)
         assert lease.keepalive_s == 30
-        await pool.sweep()
+        await pool.upkeep.sweep()
         cluster.hosts = set()  # the gateway restarts
         for _ in range(4):
             clock.now += 20
-            assert pool.keep_many([("L-k1", HOST)]) == 1
-            await pool.sweep()
+            assert pool.lending.keep_many([("L-k1", HOST)]) == 1
+            await pool.upkeep.sweep()
             assert [r.lease.lease_id for r in lent(pool)] == ["L-k1"]
         clock.now += 29
-        await pool.sweep()
+        await pool.upkeep.sweep()
         assert lent(pool)
         clock.now += 2
-        await pool.sweep()
+        await pool.upkeep.sweep()
         return pool
     pool = run(main())
     assert lent(pool) == []
-    assert "no call or keepalive for 30 s" in pool.ended["L-k1"]
+    assert "no call or keepalive for 30 s" in pool.state.ended["L-k1"]
 
 
 def test_calls_keep_a_lease_and_its_idleness_while_keepalives_keep_only_the_lease():
@@ -52,27 +52,27 @@ def test_calls_keep_a_lease_and_its_idleness_while_keepalives_keep_only_the_leas
     async def main():
         pool, _, clock, cluster = make(warm={SPEC: 1}, idle_timeout_s=60)
         await settle(pool)
-        await pool.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k2", keepalive_s=30)
+        await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k2", keepalive_s=30)
         for _ in range(3):
             clock.now += 25
-            assert pool.touch("L-k2", HOST)
-            await pool.sweep()
+            assert pool.lending.touch("L-k2", HOST)
+            await pool.upkeep.sweep()
         assert lent(pool)
         for _ in range(3):
             clock.now += 25
-            pool.keep_many([("L-k2", HOST)])
-            await pool.sweep()
+            pool.lending.keep_many([("L-k2", HOST)])
+            await pool.upkeep.sweep()
         return pool
     pool = run(main())
-    assert lent(pool) == [] and "idle for 60 s" in pool.ended["L-k2"]
+    assert lent(pool) == [] and "idle for 60 s" in pool.state.ended["L-k2"]
 
 
 def test_a_keepalive_for_a_lease_held_by_another_host_or_ended_keeps_nothing():
     async def main():
         pool, _, _, _ = make(warm={SPEC: 1})
         await settle(pool)
-        await pool.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k3", keepalive_s=30)
-        return pool.keep_many([("L-k3", "someone-else"), ("L-gone", HOST)])
+        await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-k3", keepalive_s=30)
+        return pool.lending.keep_many([("L-k3", "someone-else"), ("L-gone", HOST)])
     assert run(main()) == 0
 
 
@@ -82,20 +82,20 @@ def test_a_retried_acquire_gets_the_same_lease_never_a_second_sandbox():
     ended says why."""
     async def main():
         pool, provider, _, _ = make(max_sandboxes=3)
-        first = asyncio.ensure_future(pool.lease(SPEC, "tenant-a", 5, holder=HOST,
+        first = asyncio.ensure_future(pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST,
                                                  lease_id="L-r1", keepalive_s=30))
         await asyncio.sleep(0)
-        again = asyncio.ensure_future(pool.lease(SPEC, "tenant-a", 5, holder=HOST,
+        again = asyncio.ensure_future(pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST,
                                                  lease_id="L-r1", keepalive_s=30))
         with pytest.raises(ValueError, match="taken"):
-            await pool.lease(SPEC, "tenant-b", 5, holder="other", lease_id="L-r1",
+            await pool.lending.lease(SPEC, "tenant-b", 5, holder="other", lease_id="L-r1",
                              keepalive_s=30)
         await settle(pool)
         a, b = await first, await again
-        c = await pool.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
-        pool.release("L-r1", HOST)
+        c = await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
+        pool.lending.release("L-r1", HOST)
         with pytest.raises(AcquireTimeout, match="released"):
-            await pool.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
+            await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
         return a, b, c, provider
     a, b, c, provider = run(main())
     assert a == b == c
@@ -106,7 +106,7 @@ def test_a_retried_acquire_gets_the_same_lease_never_a_second_sandbox():
 def test_a_keepalive_out_of_bounds_is_refused_naming_it(bad):
     async def main():
         pool, _, _, _ = make(warm={SPEC: 1})
-        await pool.lease(SPEC, "c", 5, holder=HOST, keepalive_s=bad)
+        await pool.lending.lease(SPEC, "c", 5, holder=HOST, keepalive_s=bad)
     with pytest.raises(ValueError, match="keepalive_s must be a number of seconds from 5 to 3600"):
         run(main())
 
@@ -127,18 +127,18 @@ def test_a_lease_carries_its_keepalive_through_packing_and_a_restart_of_the_pool
         lease_of = Lease("L-p", "sbx-1", info.address, info.token, info.node_id, "p", "c",
                          clock.time() - 100, keepalive_s=45.0)
         cluster.hosts, cluster.held = {HOST}, {HOST: [lease_of]}
-        await pool.recover()
-        rec = pool.records.leased("L-p")
+        await pool.upkeep.recover()
+        rec = pool.state.records.leased("L-p")
         assert (rec.keepalive_s, rec.kept_at) == (45.0, clock.now)
         clock.now += 44
         cluster.hosts = set()
-        await pool.sweep()
-        assert pool.records.leased("L-p") is not None
+        await pool.upkeep.sweep()
+        assert pool.state.records.leased("L-p") is not None
         clock.now += 2
-        await pool.sweep()
+        await pool.upkeep.sweep()
         return pool
     pool = run(main())
-    assert pool.records.leased("L-p") is None
+    assert pool.state.records.leased("L-p") is None
 
 
 def test_clients_are_lent_in_proportion_to_their_weights_and_bank_nothing():
@@ -169,6 +169,6 @@ def test_clients_are_lent_in_proportion_to_their_weights_and_bank_nothing():
 def test_a_weight_out_of_bounds_is_refused_naming_it(bad):
     async def main():
         pool, _, _, _ = make(warm={SPEC: 1})
-        await pool.lease(SPEC, "c", 5, weight=bad)
+        await pool.lending.lease(SPEC, "c", 5, weight=bad)
     with pytest.raises(ValueError, match="weight must be a number above 0"):
         run(main())

@@ -43,10 +43,10 @@ class PoolActor:
         """What the Ray dashboard and Ray's messages call this actor."""
         if self.pool is None:
             return "PoolActor(pool=%s, starting)" % self.name
-        records = self.pool.records
+        state = self.pool.state
         return "PoolActor(pool=%s, %d sandboxes, %d leased, %d waiting)" % (
-            self.name, records.held(), records.counts().get("leased", 0),
-            len(self.pool.waiters))
+            self.name, state.records.held(), state.records.counts().get("leased", 0),
+            len(state.waiters))
 
     async def _started(self) -> Reconciler:
         """The reconciler, made (in this actor's process and loop) and recovered on the
@@ -54,7 +54,7 @@ class PoolActor:
         if self.recovered is None:
             self.pool = Reconciler(self.name, self.config, self.config.provider, RayCluster(),
                                    Clock(), PoolMetrics(self.name))
-            self.pool.wake = asyncio.Event()
+            self.pool.state.wake = asyncio.Event()
             self.recovered = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().create_task(self._run())
         await asyncio.shield(self.recovered)
@@ -63,7 +63,7 @@ class PoolActor:
     async def _run(self) -> None:
         asyncio.get_running_loop().create_task(self._warm_up())
         try:
-            await self.pool.recover()
+            await self.pool.upkeep.recover()
         except Exception as exc:  # the pool must still serve; say what was lost
             logger.exception("pool %s: recovery failed: %s", self.name, exc)
         self.recovered.set_result(None)
@@ -89,15 +89,15 @@ class PoolActor:
                     holder: Optional[str] = None, holder_node: Optional[str] = None,
                     lease_id: Optional[str] = None, node: Optional[str] = None,
                     keepalive_s: Optional[float] = None, weight: Optional[float] = None):
-        """A Lease (``Reconciler.lease``). ``spec`` alone as bytes: the whole request
+        """A Lease (``Lending.lease``). ``spec`` alone as bytes: the whole request
         packed (``pack_lease_request``), and the lease packed in the answer: the
         acquire's path (each argument Ray serializes costs a call ~0.3 ms here)."""
         pool = await self._started()
         if isinstance(spec, bytes):
-            lease = await pool.lease(*unpack_lease_request(spec))
+            lease = await pool.lending.lease(*unpack_lease_request(spec))
         else:
-            lease = await pool.lease(spec, client, timeout_s, holder, holder_node, lease_id,
-                                     node, keepalive_s, weight)
+            lease = await pool.lending.lease(spec, client, timeout_s, holder, holder_node,
+                                             lease_id, node, keepalive_s, weight)
         controller = pool.provider.controller(lease.node_id)
         if pool.config.pause_between_steps or controller:
             lease = dataclasses.replace(lease, controller=controller,
@@ -105,26 +105,26 @@ class PoolActor:
         return pack_lease(lease) if isinstance(spec, bytes) else lease
 
     async def cancel(self, lease_id: str, holder: Optional[str] = None) -> bool:
-        return (await self._started()).cancel(lease_id, holder)
+        return (await self._started()).lending.cancel(lease_id, holder)
 
     async def register(self, lease_id: str, holder: str) -> bool:
-        return (await self._started()).register(lease_id, holder)
+        return (await self._started()).lending.register(lease_id, holder)
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def touch(self, lease_id: str, holder: Optional[str] = None) -> bool:
-        return (await self._started()).touch(lease_id, holder)
+        return (await self._started()).lending.touch(lease_id, holder)
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def touch_many(self, leases: list) -> int:
         """``touch`` for each (lease id, holder) in ``leases`` (sandman_ray.touches: a
         process's round); how many were leases of this pool held by their holder."""
-        return (await self._started()).touch_many(leases)
+        return (await self._started()).lending.touch_many(leases)
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def keep_many(self, leases: list) -> int:
-        """Keep each (lease id, holder) of ``leases`` alive (``Reconciler.keep_many``);
+        """Keep each (lease id, holder) of ``leases`` alive (``Lending.keep_many``);
         how many were."""
-        return (await self._started()).keep_many(leases)
+        return (await self._started()).lending.keep_many(leases)
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def release(self, lease_id, holder: Optional[str] = None) -> bool:
@@ -132,46 +132,46 @@ class PoolActor:
         if isinstance(lease_id, bytes):
             lease_id, _, named = lease_id.decode().partition("\0")
             holder = named or None
-        return (await self._started()).release(lease_id, holder)
+        return (await self._started()).lending.release(lease_id, holder)
 
     async def host_restarted(self, holder: str) -> int:
-        return (await self._started()).host_restarted(holder)
+        return (await self._started()).lending.host_restarted(holder)
 
     async def held_by(self, holder: str) -> list:
         """The leases the host ``holder`` holds (the service, started again under its
         name, adopts its tenants' leases)."""
         pool = await self._started()
-        return [rec.lease for rec in pool.records.held_by(holder) if rec.lease is not None]
+        return [rec.lease for rec in pool.state.records.held_by(holder) if rec.lease is not None]
 
     @ray.method(enable_task_events=False)  # one or more per lease: see ACQUIRE_EVENTS
     async def why_ended(self, lease_id: str) -> Optional[str]:
         """Why ``lease_id`` ended, if this pool ended it (a host asks when its sandbox
         stops answering: the pool's word may still be on its way); None otherwise."""
-        return (await self._started()).ended.get(lease_id)
+        return (await self._started()).state.ended.get(lease_id)
 
     # ---- snapshots, warm targets, pauses (pool/snapshots.py)
     async def snapshot(self, lease_id: str, holder: Optional[str], name: Optional[str] = None,
                        for_fork: bool = False) -> dict:
-        return await (await self._started()).snapshot(lease_id, holder, name, for_fork)
+        return await (await self._started()).snapshot_ops.snapshot(lease_id, holder, name, for_fork)
 
     async def snapshots(self) -> List[dict]:
-        return (await self._started()).snapshot_list()
+        return (await self._started()).snapshot_ops.snapshot_list()
 
     async def delete_snapshot(self, name_or_image: str) -> bool:
-        return await (await self._started()).delete_snapshot(name_or_image)
+        return await (await self._started()).snapshot_ops.delete_snapshot(name_or_image)
 
     async def set_warm(self, spec, count: int) -> dict:
-        return (await self._started()).set_warm(spec, count)
+        return (await self._started()).snapshot_ops.set_warm(spec, count)
 
     async def pause(self, lease_id: str, holder: Optional[str], reclaim: bool = False) -> bool:
-        return await (await self._started()).pause(lease_id, holder, reclaim)
+        return await (await self._started()).snapshot_ops.pause(lease_id, holder, reclaim)
 
     async def resume(self, lease_id: str, holder: Optional[str]) -> bool:
-        return await (await self._started()).resume(lease_id, holder)
+        return await (await self._started()).snapshot_ops.resume(lease_id, holder)
 
     async def note_paused(self, lease_id: str, holder: Optional[str],
                           paused: bool) -> Optional[str]:
-        return (await self._started()).note_paused(lease_id, holder, paused)
+        return (await self._started()).snapshot_ops.note_paused(lease_id, holder, paused)
 
     # ---- questions and operations
     async def status(self) -> dict:
@@ -182,11 +182,11 @@ class PoolActor:
 
     async def recent_events(self, limit: int = 100) -> List[tuple]:
         """The last ``limit`` transitions: (wall time, sandbox id, state, reason)."""
-        events = (await self._started()).events
+        events = (await self._started()).state.events
         return list(events)[-limit:] if limit > 0 else []
 
     async def gc(self, dry_run: bool = True) -> List[dict]:
-        return await (await self._started()).gc(dry_run)
+        return await (await self._started()).upkeep.gc(dry_run)
 
     async def shutdown(self) -> int:
         return await (await self._started()).shutdown()

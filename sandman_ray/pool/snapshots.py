@@ -1,5 +1,4 @@
-"""The pool's snapshots, warm targets set while it runs, and paused leases (a mixin of
-the Reconciler: the state is the Reconciler's).
+"""The pool's snapshots, warm targets set while it runs, and paused leases.
 
 A pool owns its snapshots: it takes them through its provider for the holder of a
 lease (``snapshot``), lists them with their sizes and the sandboxes started from them,
@@ -18,33 +17,37 @@ import uuid
 from typing import Dict, List, Optional, Set
 
 from sandman_ray.errors import LeaseEnded, LeaseNotHeld, SnapshotInUse
+from sandman_ray.pool.lending import Lending
+from sandman_ray.pool.shared import PoolState
 from sandman_ray.pool.states import Sandbox, State
-from sandman_ray.providers.base import SnapshotInfo
+from sandman_ray.pool.supply import Supply
+from sandman_ray.providers.base import Provider, SnapshotInfo
 from sandman_ray.spec import SandboxSpec, check_snapshot_name
 
 logger = logging.getLogger(__name__)
 
 
 class SnapshotOps:
-    """``snapshot``, ``snapshot_list``, ``delete_snapshot``, ``set_warm``, ``pause``
-    and ``resume`` of the Reconciler."""
+    """Snapshots, warm targets and pauses of leased sandboxes.
 
-    snapshots: Dict[str, SnapshotInfo]  # name -> what the provider keeps
-    fork_snapshots: Set[str]  # images deleted with their last sandbox
+    Reads and writes of the pool's state (``PoolState``): snapshots and
+    fork_snapshots, config's warm targets, a leased record's ``paused``, events; reads
+    records, ended, closing. Checks a lease's holder through ``lending``; deletes the
+    sandboxes of a deleted snapshot and a lowered warm target's surplus through
+    ``supply``. Its own: the names of snapshots being taken (``taking``)."""
 
-    def _init_snapshots(self) -> None:
-        self.snapshots = {}
-        self.fork_snapshots = set()
-        self.taking = set()  # names of snapshots being taken
+    def __init__(self, state: PoolState, provider: Provider, lending: Lending, supply: Supply):
+        self.state, self.provider, self.lending, self.supply = state, provider, lending, supply
+        self.taking: Set[str] = set()
 
     def _held(self, lease_id: str, holder: Optional[str], op: str) -> Sandbox:
         """The sandbox of a lease ``holder`` holds; LeaseEnded for one that is over."""
-        rec = self.records.leased(lease_id)
+        rec = self.state.records.leased(lease_id)
         if rec is None:
             raise LeaseEnded("pool %s: %s: lease %s is not held (%s)"
-                             % (self.name, op, lease_id,
-                                self.ended.get(lease_id) or "unknown lease"))
-        self._check_holder(rec, holder, op)
+                             % (self.state.name, op, lease_id,
+                                self.state.ended.get(lease_id) or "unknown lease"))
+        self.lending.check_holder(rec, holder, op)
         return rec
 
     # ---- snapshots
@@ -55,81 +58,82 @@ class SnapshotOps:
         ``for_fork``: the snapshot is deleted with the last sandbox started from it."""
         name = check_snapshot_name(name or "snap-" + uuid.uuid4().hex[:12])
         rec = self._held(lease_id, holder, "snapshot")
-        if name in self.snapshots or name in self.taking:
-            raise ValueError("pool %s already has a snapshot named %r" % (self.name, name))
+        if name in self.state.snapshots or name in self.taking:
+            raise ValueError("pool %s already has a snapshot named %r" % (self.state.name, name))
         self.taking.add(name)  # the name is this call's while the provider copies
         try:
             info = await self.provider.snapshot(rec.sandbox_id, name)
         finally:
             self.taking.discard(name)
-        self.snapshots[name] = info
+        self.state.snapshots[name] = info
         if for_fork:
-            self.fork_snapshots.add(info.image)
-        self._event(rec, "snapshot", "%s (%d bytes)" % (info.image, info.size_bytes))
+            self.state.fork_snapshots.add(info.image)
+        self.state.event(rec, "snapshot", "%s (%d bytes)" % (info.image, info.size_bytes))
         return dict(info.to_dict(), spec=rec.spec.to_dict())
 
     def snapshot_list(self) -> List[dict]:
         """Every snapshot of the pool, with the sandboxes started from it (``sandboxes``)
         and its warm target (``warm``)."""
-        using = collections.Counter(r.spec.image for r in self.records.values())
+        using = collections.Counter(r.spec.image for r in self.state.records.values())
         warm = collections.Counter()
-        for spec, count in self.config.warm.items():
+        for spec, count in self.state.config.warm.items():
             warm[spec.image] += count
         return [dict(info.to_dict(), sandboxes=using[info.image], warm=warm[info.image],
-                     for_fork=info.image in self.fork_snapshots)
-                for info in sorted(self.snapshots.values(), key=lambda i: i.created_at)]
+                     for_fork=info.image in self.state.fork_snapshots)
+                for info in sorted(self.state.snapshots.values(), key=lambda i: i.created_at)]
 
     def _snapshot_named(self, name_or_image: str) -> SnapshotInfo:
-        for info in self.snapshots.values():
+        for info in self.state.snapshots.values():
             if name_or_image in (info.name, info.image):
                 return info
         raise ValueError("pool %s has no snapshot %r (it has: %s)"
-                         % (self.name, name_or_image,
-                            ", ".join(sorted(self.snapshots)) or "none"))
+                         % (self.state.name, name_or_image,
+                            ", ".join(sorted(self.state.snapshots)) or "none"))
 
     async def delete_snapshot(self, name_or_image: str) -> bool:
         """Delete a snapshot (by name or image), its warm target and the idle sandboxes
         started from it; SnapshotInUse while a lease holds one of them."""
         info = self._snapshot_named(name_or_image)
-        users = [r for r in self.records.values() if r.spec.image == info.image]
+        users = [r for r in self.state.records.values() if r.spec.image == info.image]
         leased = [r.lease.lease_id[:10] + "..." for r in users if r.state is State.LEASED]
         if leased:
             raise SnapshotInUse("pool %s: snapshot %s: leases %s still hold sandboxes started "
                                 "from it; release them first"
-                                % (self.name, info.image, ", ".join(leased)))
-        for spec in [s for s in self.config.warm if s.image == info.image]:
-            del self.config.warm[spec]
+                                % (self.state.name, info.image, ", ".join(leased)))
+        for spec in [s for s in self.state.config.warm if s.image == info.image]:
+            del self.state.config.warm[spec]
         for rec in users:
-            await self._delete(rec, "its snapshot %s is deleted" % info.name)
+            await self.supply.delete(rec, "its snapshot %s is deleted" % info.name)
         await self.provider.delete_snapshot(info.name)
-        self.snapshots.pop(info.name, None)
-        self.fork_snapshots.discard(info.image)
+        self.state.snapshots.pop(info.name, None)
+        self.state.fork_snapshots.discard(info.image)
         return True
 
-    def _forget_fork_snapshot(self, image: str) -> None:
-        """After a sandbox of ``image`` is gone: a fork's snapshot whose last sandbox
-        that was goes too (in the background)."""
-        if image not in self.fork_snapshots or self.closing:
+    def forget_fork_snapshot(self, gone: Sandbox) -> None:
+        """After the sandbox ``gone`` is gone: a fork's snapshot whose last sandbox that
+        was goes too (in the background)."""
+        image = gone.spec.image
+        if image not in self.state.fork_snapshots or self.state.closing:
             return
-        if any(r.spec.image == image for r in self.records.values()) or \
-                any(s.image == image for s in self.config.warm):
+        if any(r.spec.image == image for r in self.state.records.values()) or \
+                any(s.image == image for s in self.state.config.warm):
             return
-        self.fork_snapshots.discard(image)
-        info = next((i for i in self.snapshots.values() if i.image == image), None)
+        self.state.fork_snapshots.discard(image)
+        info = next((i for i in self.state.snapshots.values() if i.image == image), None)
         if info is not None:
             asyncio.get_running_loop().create_task(self._drop_snapshot(info))
 
     async def _drop_snapshot(self, info: SnapshotInfo) -> None:
         try:
             await self.provider.delete_snapshot(info.name)
-            self.snapshots.pop(info.name, None)
+            self.state.snapshots.pop(info.name, None)
         except Exception as exc:  # noqa: BLE001 - kept and listed; the pool's shutdown removes it
-            logger.warning("pool %s: the fork snapshot %s was not deleted: %s", self.name,
+            logger.warning("pool %s: the fork snapshot %s was not deleted: %s", self.state.name,
                            info.image, exc)
 
-    async def recover_snapshots(self) -> None:
+    async def recover(self) -> None:
         for info in await self.provider.snapshots():
-            self.snapshots[info.name] = info
+            self.state.snapshots[info.name] = info
 
     # ---- warm targets
     def set_warm(self, spec, count: int) -> Dict[str, int]:
@@ -137,21 +141,21 @@ class SnapshotOps:
         now on (0: none); the pool's warm targets, by image."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError("a warm count must be an int >= 0, got %r" % (count,))
-        spec = self.config.limited(SandboxSpec.of(spec))
-        others = sum(n for s, n in self.config.warm.items() if s != spec)
-        if others + count > self.config.max_sandboxes:
+        spec = self.state.config.limited(SandboxSpec.of(spec))
+        others = sum(n for s, n in self.state.config.warm.items() if s != spec)
+        if others + count > self.state.config.max_sandboxes:
             raise ValueError("pool %s: warm targets of %d sandboxes exceed max_sandboxes=%d"
-                             % (self.name, others + count, self.config.max_sandboxes))
-        lowered = count < self.config.warm.get(spec, 0)
+                             % (self.state.name, others + count, self.state.config.max_sandboxes))
+        lowered = count < self.state.config.warm.get(spec, 0)
         if count:
-            self.config.warm[spec] = count
+            self.state.config.warm[spec] = count
         else:
-            self.config.warm.pop(spec, None)
+            self.state.config.warm.pop(spec, None)
         if lowered:  # asked for: the surplus goes now, without lingering
-            self.delete_surplus(self.wanted(), linger=False)
-        self.kick()
+            self.supply.delete_surplus(self.state.wanted(), linger=False)
+        self.state.kick()
         warm = collections.Counter()
-        for s, n in self.config.warm.items():
+        for s, n in self.state.config.warm.items():
             warm[s.image] += n
         return dict(warm)
 
@@ -188,5 +192,5 @@ class SnapshotOps:
         if rec.paused != paused:
             rec.paused = paused
             if not paused:
-                rec.last_used = self.clock.monotonic()  # its idle time starts now
-            self._event(rec, "paused" if paused else "resumed")
+                rec.last_used = self.state.clock.monotonic()  # its idle time starts now
+            self.state.event(rec, "paused" if paused else "resumed")

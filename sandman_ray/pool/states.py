@@ -155,7 +155,7 @@ class Sandbox:
 
     def to(self, state: State, now: float) -> None:
         """Move to ``state``; anything but an allowed transition is a bug. (Why is the
-        pool's event log's: ``Reconciler._to``.)"""
+        pool's event log's: ``PoolState.to``.)"""
         if state is not State.FAILED and state not in _NEXT[self.state]:
             raise RuntimeError("sandbox %s: %s -> %s is not a transition"
                                % (self.sandbox_id, self.state.name, state.name))

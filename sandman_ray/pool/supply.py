@@ -1,6 +1,5 @@
-"""The pool's supply, a mixin of the Reconciler (the state is the Reconciler's): what
-each spec wants (warm targets and waiters), the creates that are missing (paced by the
-token bucket, capped by ``max_starting`` and ``max_sandboxes``, on the nodes waiters
+"""The pool's supply: the creates that are missing for what each spec wants (paced by
+a token bucket, capped by ``max_starting`` and ``max_sandboxes``, on the nodes waiters
 want), the released sandboxes reset or deleted, the surplus deleted after lingering;
 and those side effects through the provider: create, reset, delete.
 """
@@ -11,11 +10,14 @@ import itertools
 import logging
 import random
 import uuid
-from typing import Dict
+from typing import Callable, Deque, Dict, List
 
 from sandman_ray.errors import ProviderError
+from sandman_ray.pool.lending import Lending
+from sandman_ray.pool.pacing import AdaptiveTokenBucket
+from sandman_ray.pool.shared import PoolState
 from sandman_ray.pool.states import Sandbox, State
-from sandman_ray.providers.base import POOL_LABEL
+from sandman_ray.providers.base import POOL_LABEL, Provider
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
@@ -28,46 +30,53 @@ SURPLUS_LINGER_S = 10.0
 
 
 class Supply:
-    """``wanted``, ``create_missing``, ``release_ended``, ``delete_surplus`` and the
-    provider's create, reset and delete of the Reconciler."""
+    """Creates, resets and deletes.
 
-    def wanted(self) -> Dict[SandboxSpec, int]:
-        """Per spec: the warm target plus the waiters whose clients may get one more."""
-        wanted = collections.Counter(self.config.warm)
-        wanted.update(self.waiters.per_spec)
-        quota = self.config.client_quota
-        if quota is not None:
-            for client, recs in self.records.by_client.items():
-                if len(recs) >= quota:
-                    for waiter in self.waiters.of(client):
-                        wanted[waiter.spec] -= 1
-        return wanted
+    Reads and writes of the pool's state (``PoolState``): records (adds, places and
+    drops them; REQUESTED -> CREATING -> READY, RELEASING -> RESETTING -> READY, any
+    -> DELETING -> GONE), stats, events; reads config, waiters (what they want, where;
+    a fatal create fails them), last_lent and fork_snapshots, closing. Serves the
+    waiters through ``lending`` when a sandbox becomes READY, and ends the lease of
+    one it deletes. Its own: the token bucket that paces creates (``bucket``), when
+    creates started (``create_starts``), the callers waiting on a delete under way.
+    ``on_gone(rec)`` is called after a sandbox is gone (the snapshots' concern drops
+    a fork's snapshot with its last sandbox)."""
+
+    def __init__(self, state: PoolState, provider: Provider, lending: Lending, metrics):
+        self.state, self.provider, self.lending, self.metrics = state, provider, lending, metrics
+        config = state.config
+        self.bucket = AdaptiveTokenBucket(config.create_rate_per_s, config.create_burst,
+                                          clock=state.clock.monotonic)
+        self.create_starts: Deque[float] = collections.deque(maxlen=5000)  # wall clock
+        # sandbox id -> futures of delete calls that wait for a delete already under way
+        self.delete_waiters: Dict[str, List[asyncio.Future]] = {}
+        self.on_gone: Callable[[Sandbox], None] = lambda rec: None
 
     def create_missing(self, wanted: Dict[SandboxSpec, int]) -> None:
-        if self.closing:
+        if self.state.closing:
             return
-        held = self.records.held()
-        starting = self.records.count(State.CREATING) + self.records.count(State.REQUESTED)
+        held = self.state.records.held()
+        starting = self.state.records.count(State.CREATING) + self.state.records.count(State.REQUESTED)
         for spec, count in wanted.items():
-            missing = count - self.records.supply.get(spec, 0)
-            musts, wants = self._nodes_to_create(spec) if spec in self.waiters.per_spec \
+            missing = count - self.state.records.supply.get(spec, 0)
+            musts, wants = self._nodes_to_create(spec) if spec in self.state.waiters.per_spec \
                 else ([], [])
             nodes = musts + wants
             for _ in range(max(missing, len(musts))):
-                if held >= self.config.max_sandboxes and spec in self.waiters.per_spec:
+                if held >= self.state.config.max_sandboxes and spec in self.state.waiters.per_spec:
                     self._make_room(spec, wanted)  # the next tick creates in the room made
-                if held >= self.config.max_sandboxes or starting >= self.config.max_starting:
+                if held >= self.state.config.max_sandboxes or starting >= self.state.config.max_starting:
                     return
                 if not self.bucket.take():
-                    asyncio.get_running_loop().call_later(self.bucket.wait_s(), self.kick)
+                    asyncio.get_running_loop().call_later(self.bucket.wait_s(), self.state.kick)
                     return
                 rec = Sandbox("sbx-" + uuid.uuid4().hex[:12], spec,
-                              since=self.clock.monotonic())
+                              since=self.state.clock.monotonic())
                 if nodes:  # for a waiter on that node
                     rec.node_hint = nodes.pop(0)
                     self.provider.place(rec.sandbox_id, rec.node_hint)
-                self.records.add(rec)
-                self._event(rec, "requested")
+                self.state.records.add(rec)
+                self.state.event(rec, "requested")
                 held += 1
                 starting += 1
                 asyncio.get_running_loop().create_task(self._create(rec))
@@ -77,13 +86,13 @@ class Supply:
         of another spec that nothing wants (a surplus lingering for a next acquire of
         its kind) is deleted now, so that one of ``spec`` can be made. One at a time
         (none while a delete is under way: room is coming), the oldest surplus first."""
-        if self.records.count(State.DELETING):
+        if self.state.records.count(State.DELETING):
             return
-        for other in list(self.records.ready):
-            if other == spec or self.records.supply.get(other, 0) <= wanted.get(other, 0):
+        for other in list(self.state.records.ready):
+            if other == spec or self.state.records.supply.get(other, 0) <= wanted.get(other, 0):
                 continue
-            oldest = next(iter(self.records.ready[other].values()))
-            self._delete_soon(oldest, "surplus: room for a waiting acquire")
+            oldest = next(iter(self.state.records.ready[other].values()))
+            self.delete_soon(oldest, "surplus: room for a waiting acquire")
             return
 
     def _nodes_to_create(self, spec: SandboxSpec) -> tuple:
@@ -92,9 +101,9 @@ class Supply:
         (those of waiters that take one node only, those of waiters that prefer one).
         The pool creates more than it otherwise would only for the first (a sandbox
         elsewhere does not serve them)."""
-        have = self.records.supply_on(spec)
+        have = self.state.records.supply_on(spec)
         musts, wants = [], []
-        for waiter in self.waiters.waiting():
+        for waiter in self.state.waiters.waiting():
             node = waiter.node
             if waiter.spec != spec or node is None:
                 continue
@@ -107,113 +116,113 @@ class Supply:
     def delete_surplus(self, wanted: Dict[SandboxSpec, int], linger: bool = True) -> None:
         """READY sandboxes beyond what their spec wants, once they have lingered (all of
         them at once with ``linger`` False: a warm target lowered on purpose)."""
-        now = self.clock.monotonic()
-        for spec in list(self.records.ready):
-            extra = self.records.supply.get(spec, 0) - wanted.get(spec, 0)
+        now = self.state.clock.monotonic()
+        for spec in list(self.state.records.ready):
+            extra = self.state.records.supply.get(spec, 0) - wanted.get(spec, 0)
             if extra <= 0:
                 continue
-            for rec in list(itertools.islice(self.records.ready[spec].values(), extra)):
-                self.records.visited += 1
+            for rec in list(itertools.islice(self.state.records.ready[spec].values(), extra)):
+                self.state.records.visited += 1
                 if linger and now - rec.since <= SURPLUS_LINGER_S:
                     break  # oldest first: the rest lingered less
-                self._delete_soon(rec, "surplus")
+                self.delete_soon(rec, "surplus")
 
     def release_ended(self, wanted: Dict[SandboxSpec, int]) -> None:
-        for rec in self.records.walk(State.RELEASING):
+        for rec in self.state.records.walk(State.RELEASING):
             # reset it while its spec is wanted or in use (another episode is likely to
             # follow); what turns out surplus is deleted after lingering. A fork's
             # sandbox is kept only while wanted: its group took all it needed at once
-            recently = self.clock.monotonic() - self.last_lent.get(rec.spec, -1e9) \
-                < SURPLUS_LINGER_S and rec.spec.image not in self.fork_snapshots
-            keep = (self.config.reuse == "reset" and self.provider.supports_reset
-                    and (recently or self.records.supply.get(rec.spec, 0)
+            recently = self.state.clock.monotonic() - self.state.last_lent.get(rec.spec, -1e9) \
+                < SURPLUS_LINGER_S and rec.spec.image not in self.state.fork_snapshots
+            keep = (self.state.config.reuse == "reset" and self.provider.supports_reset
+                    and (recently or self.state.records.supply.get(rec.spec, 0)
                          < wanted.get(rec.spec, 0)))
             if keep:
-                self._to(rec, State.RESETTING)
+                self.state.to(rec, State.RESETTING)
                 asyncio.get_running_loop().create_task(self._reset(rec))
             else:
-                self._delete_soon(rec, "released")
+                self.delete_soon(rec, "released")
 
     # ------------------------------------------------------------------ side effects
     async def _create(self, rec: Sandbox) -> None:
         if rec.state is not State.REQUESTED:
             return  # deleted before its create began (a shutdown)
-        labels = {POOL_LABEL: self.name}
-        self._to(rec, State.CREATING)
-        started = self.clock.monotonic()
+        labels = {POOL_LABEL: self.state.name}
+        self.state.to(rec, State.CREATING)
+        started = self.state.clock.monotonic()
         while True:
             rec.attempts += 1
-            self.create_starts.append(self.clock.time())
+            self.create_starts.append(self.state.clock.time())
             try:
                 info = await asyncio.wait_for(
                     self.provider.create(rec.sandbox_id, rec.spec, labels),
-                    self.config.ready_timeout_s)
+                    self.state.config.ready_timeout_s)
                 if rec.state is not State.CREATING:  # deleted meanwhile (pool shutdown)
-                    await self._provider_delete(rec.sandbox_id)
+                    await self.provider_delete(rec.sandbox_id)
                     return
-                self.records.place(rec, info)
+                self.state.records.place(rec, info)
                 if info.created_at:  # the provider's own account of when it started it
-                    self.events.append((info.created_at, rec.sandbox_id, "started", ""))
+                    self.state.events.append((info.created_at, rec.sandbox_id, "started", ""))
                 break
             except Exception as exc:
                 if isinstance(exc, asyncio.TimeoutError):
-                    exc = ProviderError("not ready within %.0f s" % self.config.ready_timeout_s,
+                    exc = ProviderError("not ready within %.0f s" % self.state.config.ready_timeout_s,
                                         "transient")
                 elif not isinstance(exc, ProviderError):  # a bug, not the cluster's weather
-                    logger.exception("pool %s: create %s failed", self.name, rec.sandbox_id)
+                    logger.exception("pool %s: create %s failed", self.state.name, rec.sandbox_id)
                     exc = ProviderError("%s: %s" % (type(exc).__name__, exc), "fatal")
                 kind = exc.kind
                 self.metrics.create_failed(kind)
                 if kind == "throttled":
-                    self.stats["throttled"] += 1
+                    self.state.stats["throttled"] += 1
                     rec.attempts -= 1  # the cluster said "later", not "no": not a failure
                 if kind in ("throttled", "transient"):
                     self.bucket.back_off()
                 if rec.state is not State.CREATING:
                     return  # deleted meanwhile: nothing left to do
                 if kind == "fatal" or rec.attempts >= CREATE_ATTEMPTS:
-                    self.stats["create_failures"] += 1
+                    self.state.stats["create_failures"] += 1
                     self._fail_waiters(rec.spec, exc)
-                    await self._delete(rec, "create failed: %s" % exc)
+                    await self.delete(rec, "create failed: %s" % exc)
                     return
                 # back off with jitter; the token bucket slows everyone else down too
-                await self.clock.sleep(min(5.0, 0.2 * 2 ** rec.attempts) *
+                await self.state.clock.sleep(min(5.0, 0.2 * 2 ** rec.attempts) *
                                        random.uniform(0.5, 1.5))
                 if rec.state is not State.CREATING:
                     return
         self.bucket.succeeded()
-        self.stats["creates"] += 1
-        self.metrics.created(self.clock.monotonic() - started)
-        self._to(rec, State.READY, "answers after %.2f s" % (self.clock.monotonic() - started))
-        self.lend(rec.spec)
-        self.kick()
+        self.state.stats["creates"] += 1
+        self.metrics.created(self.state.clock.monotonic() - started)
+        self.state.to(rec, State.READY, "answers after %.2f s" % (self.state.clock.monotonic() - started))
+        self.lending.lend(rec.spec)
+        self.state.kick()
 
     def _fail_waiters(self, spec: SandboxSpec, exc: Exception) -> None:
         """A create failed for good: a fatal error (a bad image) fails the waiters for that
         spec at once, with the reason, rather than letting them time out."""
         if getattr(exc, "kind", "") != "fatal":
             return
-        for waiter in [w for w in self.waiters.waiting() if w.spec == spec]:
-            self._forget_waiter(waiter)
+        for waiter in [w for w in self.state.waiters.waiting() if w.spec == spec]:
+            self.state.forget_waiter(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(ProviderError(str(exc), "fatal"))
 
     async def _reset(self, rec: Sandbox) -> None:
         try:
             info = await asyncio.wait_for(self.provider.reset(rec.sandbox_id),
-                                          self.config.ready_timeout_s)
+                                          self.state.config.ready_timeout_s)
         except Exception as exc:
             if rec.state is State.RESETTING:
-                await self._delete(rec, "reset failed: %s" % exc)
+                await self.delete(rec, "reset failed: %s" % exc)
             return
         if rec.state is not State.RESETTING:
             return
-        self.records.place(rec, info)
-        self.stats["resets"] += 1
+        self.state.records.place(rec, info)
+        self.state.stats["resets"] += 1
         self.metrics.reset_done()
-        self._to(rec, State.READY, "reset")
-        self.lend(rec.spec)
-        self.kick()
+        self.state.to(rec, State.READY, "reset")
+        self.lending.lend(rec.spec)
+        self.state.kick()
 
     def _begin_delete(self, rec: Sandbox, reason: str) -> bool:
         """The state side of a delete, at once (so no tick can lend the sandbox while
@@ -221,17 +230,17 @@ class Supply:
         if rec.state in (State.DELETING, State.GONE):
             return False
         if rec.state is State.LEASED:
-            self.end_lease(rec, reason, reuse=False)
+            self.lending.end_lease(rec, reason, reuse=False)
         if rec.state not in (State.READY, State.RELEASING, State.FAILED):
-            self._to(rec, State.FAILED, reason)
-        self._to(rec, State.DELETING, reason)
+            self.state.to(rec, State.FAILED, reason)
+        self.state.to(rec, State.DELETING, reason)
         return True
 
-    def _delete_soon(self, rec: Sandbox, reason: str) -> None:
+    def delete_soon(self, rec: Sandbox, reason: str) -> None:
         if self._begin_delete(rec, reason):
             asyncio.get_running_loop().create_task(self._finish_delete(rec, reason))
 
-    async def _delete(self, rec: Sandbox, reason: str) -> None:
+    async def delete(self, rec: Sandbox, reason: str) -> None:
         """Delete ``rec``; returns once the provider has deleted it, also when another
         delete of it was already under way (then that one is waited for)."""
         if self._begin_delete(rec, reason):
@@ -243,25 +252,25 @@ class Supply:
 
     async def _finish_delete(self, rec: Sandbox, reason: str) -> None:
         try:
-            await self._provider_delete(rec.sandbox_id)
-            self.stats["deletes"] += 1
+            await self.provider_delete(rec.sandbox_id)
+            self.state.stats["deletes"] += 1
             self.metrics.deleted(reason)
-            self._to(rec, State.GONE, reason)
-            self.records.drop(rec)
-            self._forget_fork_snapshot(rec.spec.image)
-            self.kick()
+            self.state.to(rec, State.GONE, reason)
+            self.state.records.drop(rec)
+            self.on_gone(rec)
+            self.state.kick()
         finally:
             for done in self.delete_waiters.pop(rec.sandbox_id, ()):
                 if not done.done():
                     done.set_result(None)
 
-    async def _provider_delete(self, sandbox_id: str) -> None:
+    async def provider_delete(self, sandbox_id: str) -> None:
         for attempt in range(5):
             try:
                 await self.provider.delete(sandbox_id)
                 return
             except Exception as exc:  # a delete must not be forgotten: retry, then say so
-                logger.warning("pool %s: delete %s failed (%s), retrying", self.name,
+                logger.warning("pool %s: delete %s failed (%s), retrying", self.state.name,
                                sandbox_id, exc)
-                await self.clock.sleep(0.2 * 2 ** attempt)
-        logger.error("pool %s: could not delete %s", self.name, sandbox_id)
+                await self.state.clock.sleep(0.2 * 2 ** attempt)
+        logger.error("pool %s: could not delete %s", self.state.name, sandbox_id)

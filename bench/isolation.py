@@ -23,17 +23,16 @@ interleaved (``exec_ab.py``: batches of 25, the two sides in turn).
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import baseline  # noqa: E402  (bench/baseline.py)
 from local import SETUPS, create_and_exec, pct  # noqa: E402  (bench/local.py)
 
 LEVELS = (("local-host-root", "LocalProvider, root inside is host root (before)"),
@@ -115,40 +114,15 @@ def with_ratios(out: dict) -> dict:
 
 
 # ---------------------------------------------------------------- against a commit
-def baseline_tree(ref: str) -> Optional[Path]:
-    """A worktree of commit ``ref`` (made once, detached), runnable as a package of its
-    own; None where git or the commit is missing."""
-    where = ROOT / ".cache" / "baseline" / ref
-    if not (where / "bench" / "run_all.py").exists():
-        done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force",
-                               str(where), ref], capture_output=True, text=True)
-        if done.returncode != 0:
-            print("isolation: no baseline %s: %s" % (ref, done.stderr.strip()), file=sys.stderr)
-            return None
-    # a tree from before the daemon moved into the package had it at daemon/, mapped to
-    # sandman_ray.daemon when installed; here a link does
-    link = where / "sandman_ray" / "daemon"
-    if (where / "daemon").is_dir() and not link.exists():
-        link.symlink_to("../daemon")
-    return where
-
-
 def baseline_turn(tree: Path, creates: int) -> dict:
     """REF's isolation section, in a process of its own (its own Ray, its own bundle)."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    done = subprocess.run([sys.executable, str(tree / "bench" / "run_all.py"), "--sections",
-                           "isolation", "--creates", str(creates)], cwd=str(tree), env=env,
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError("the baseline's isolation section failed: %s" % done.stderr[-2000:])
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    return report["results"]["isolation"]
+    return baseline.run_sections(tree, ["isolation"], ["--creates", str(creates)])["isolation"]
 
 
 def against(ref: str, creates: int, rounds: int, ours) -> dict:
     """Turns of REF's section and of ``ours()`` (this checkout's), REF first; each level's
     median p50 per side, and this checkout's over REF's."""
-    tree = baseline_tree(ref)
+    tree = baseline.baseline_tree(ref)
     if tree is None:
         return {"against": ref, "skipped": "no worktree of %s" % ref}
     turns: Dict[str, List[dict]] = {"baseline": [], "this": []}

@@ -69,7 +69,6 @@ On a local Ray with the LocalProvider, each section in a module of its own
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -96,6 +95,7 @@ import service  # noqa: E402
 import stream  # noqa: E402
 from common import ROOT  # noqa: E402  (bench/common.py)
 from noop_section import noop, noop_rows  # noqa: E402  (bench/noop_section.py)
+from reports import write_report  # noqa: E402  (bench/reports.py)
 
 RESULTS = ROOT / "bench" / "results" / "latest.json"
 
@@ -238,10 +238,7 @@ def main(argv=None) -> int:
     print("%-6s %-62s %-18s %s" % ("", "measure", "result", ""))
     for section, name, value, note in table(results, args):
         print("%-6s %-62s %-18s %s" % (section, name, value, note))
-    out = Path(args.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report))
+    write_report(report, args.results)
     return 0
 
 

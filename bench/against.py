@@ -88,8 +88,8 @@ def main(argv=None) -> int:
         turns[side].append(figures(baseline.run_sections(where, sections,
                                                          args.section_args.split())))
     compared = compare(turns)
-    print("%-70s %10s %10s %7s %7s  %s" % ("figure", args.ref[:10], "this", "ratio",
-                                             "noise", "verdict"))
+    print("%-70s %10s %10s %7s %7s  %s"
+          % ("figure", args.ref[:10], "this", "ratio", "noise", "verdict"))
     for name, row in compared.items():
         print("%-70s %10.3f %10.3f %6.2fx %6.0f%%  %s" % (
             name[:70], row["ref"], row["this"], row["ratio"], row["noise"] * 100,

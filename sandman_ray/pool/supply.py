@@ -55,17 +55,17 @@ class Supply:
     def create_missing(self, wanted: Dict[SandboxSpec, int]) -> None:
         if self.state.closing:
             return
-        held = self.state.records.held()
-        starting = self.state.records.count(State.CREATING) + self.state.records.count(State.REQUESTED)
+        records, config, waited = self.state.records, self.state.config, self.state.waiters.per_spec
+        held = records.held()
+        starting = records.count(State.CREATING) + records.count(State.REQUESTED)
         for spec, count in wanted.items():
-            missing = count - self.state.records.supply.get(spec, 0)
-            musts, wants = self._nodes_to_create(spec) if spec in self.state.waiters.per_spec \
-                else ([], [])
+            missing = count - records.supply.get(spec, 0)
+            musts, wants = self._nodes_to_create(spec) if spec in waited else ([], [])
             nodes = musts + wants
             for _ in range(max(missing, len(musts))):
-                if held >= self.state.config.max_sandboxes and spec in self.state.waiters.per_spec:
+                if held >= config.max_sandboxes and spec in waited:
                     self._make_room(spec, wanted)  # the next tick creates in the room made
-                if held >= self.state.config.max_sandboxes or starting >= self.state.config.max_starting:
+                if held >= config.max_sandboxes or starting >= config.max_starting:
                     return
                 if not self.bucket.take():
                     asyncio.get_running_loop().call_later(self.bucket.wait_s(), self.state.kick)
@@ -75,7 +75,7 @@ class Supply:
                 if nodes:  # for a waiter on that node
                     rec.node_hint = nodes.pop(0)
                     self.provider.place(rec.sandbox_id, rec.node_hint)
-                self.state.records.add(rec)
+                records.add(rec)
                 self.state.event(rec, "requested")
                 held += 1
                 starting += 1
@@ -166,8 +166,8 @@ class Supply:
                 break
             except Exception as exc:
                 if isinstance(exc, asyncio.TimeoutError):
-                    exc = ProviderError("not ready within %.0f s" % self.state.config.ready_timeout_s,
-                                        "transient")
+                    exc = ProviderError("not ready within %.0f s"
+                                        % self.state.config.ready_timeout_s, "transient")
                 elif not isinstance(exc, ProviderError):  # a bug, not the cluster's weather
                     logger.exception("pool %s: create %s failed", self.state.name, rec.sandbox_id)
                     exc = ProviderError("%s: %s" % (type(exc).__name__, exc), "fatal")
@@ -187,13 +187,14 @@ class Supply:
                     return
                 # back off with jitter; the token bucket slows everyone else down too
                 await self.state.clock.sleep(min(5.0, 0.2 * 2 ** rec.attempts) *
-                                       random.uniform(0.5, 1.5))
+                                             random.uniform(0.5, 1.5))
                 if rec.state is not State.CREATING:
                     return
         self.bucket.succeeded()
         self.state.stats["creates"] += 1
-        self.metrics.created(self.state.clock.monotonic() - started)
-        self.state.to(rec, State.READY, "answers after %.2f s" % (self.state.clock.monotonic() - started))
+        took = self.state.clock.monotonic() - started
+        self.metrics.created(took)
+        self.state.to(rec, State.READY, "answers after %.2f s" % took)
         self.lending.lend(rec.spec)
         self.state.kick()
 

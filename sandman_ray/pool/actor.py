@@ -38,15 +38,16 @@ class PoolActor:
         self.pool: Optional[Reconciler] = None
         self.config = config
         self.recovered: Optional[asyncio.Future] = None
+        self.node = ray.get_runtime_context().get_node_id()
 
     def __repr__(self) -> str:
         """What the Ray dashboard and Ray's messages call this actor."""
+        where = "PoolActor(pool=%s, node=%s, " % (self.name, (self.node or "?")[:12])
         if self.pool is None:
-            return "PoolActor(pool=%s, starting)" % self.name
+            return where + "starting)"
         state = self.pool.state
-        return "PoolActor(pool=%s, %d sandboxes, %d leased, %d waiting)" % (
-            self.name, state.records.held(), state.records.counts().get("leased", 0),
-            len(state.waiters))
+        return where + "%d sandboxes, %d leased, %d waiting)" % (
+            state.records.held(), state.records.counts().get("leased", 0), len(state.waiters))
 
     async def _started(self) -> Reconciler:
         """The reconciler, made (in this actor's process and loop) and recovered on the

@@ -5,24 +5,28 @@ A python program that prints (``print("hello")``), posted to ``sandman serve``'s
 lent for it alone, then reset) one at a time (p50) and 64 at once (requests a second),
 beside the same program run by a plain ``subprocess`` on the host, with no sandbox, at
 the same concurrency: what the machine can do at all. Issue 50's target: ``/run_code``
-at 64 at once >= 0.8x that limit. Beside them, the floors of a fresh sandbox per
-request: the program in namespaces bwrap makes for it alone (nothing else of a
-sandbox), and the CPU of one reset of ours.
+at 64 at once >= 0.8x that limit. Beside them, the floors: of a Python server (the
+same requests to a minimal asyncio HTTP server that runs each program on the host, with
+no sandbox: ``http_floor.py``), of the HTTP client (its CPU a request: what any served
+design pays), and of a fresh sandbox per request (the program in namespaces bwrap makes
+for it alone, nothing else of a sandbox; the CPU of one reset of ours).
 
     python bench/fusion.py [--n 200] [--burst 640]     (or make bench: its service section)
 """
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Iterator, List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,6 +55,23 @@ def on_host() -> None:
                          timeout=60)  # the interpreter the sandbox runs: Debian's
     if ran.stdout != b"hello\n":
         raise RuntimeError("python on the host: %r" % (ran,))
+
+
+@contextlib.contextmanager
+def http_floor() -> Iterator[str]:
+    """bench/http_floor.py serving on a free port, in a process of its own; its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "http_floor.py"),
+                               str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench/http_floor.py did not start")
+        yield "http://127.0.0.1:%d" % port
+    finally:
+        server.kill()
+        server.wait()
 
 
 def in_fresh_namespaces() -> Callable[[], None]:
@@ -83,13 +104,22 @@ def one_at_a_time(call: Callable[[], None], n: int) -> List[float]:
     return out
 
 
-def at_once(call: Callable[[], None], n: int) -> float:
-    """Requests a second, ``n`` of them ``AT_ONCE`` at a time."""
+def at_once(call: Callable[[], None], n: int) -> dict:
+    """Requests a second, ``n`` of them ``AT_ONCE`` at a time; the machine's busy CPU per
+    request and this process's (the caller's: an HTTP client, or the host's spawns)."""
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
         list(pool.map(lambda _: call(), range(AT_ONCE)))  # threads and sandboxes warm
-        started = time.perf_counter()
+        ticks, own, started = cpu_ticks(), own_cpu_s(), time.perf_counter()
         list(pool.map(lambda _: call(), range(n)))
-        return n / (time.perf_counter() - started)
+        took = time.perf_counter() - started
+        return {"per_s": n / took,
+                "cpu_ms": (cpu_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK") / n,
+                "caller_cpu_ms": (own_cpu_s() - own) * 1e3 / n}
+
+
+def own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def busy_ms_each(call: Callable[[], object], n: int) -> float:
@@ -154,22 +184,34 @@ def process_ticks() -> dict:
 def fusion(n: int = 200, burst: int = 640) -> dict:
     """``n`` one at a time and ``burst`` 64 at once, each way, in turns."""
     import service
-    with service.served({"builtin:code": AT_ONCE}, AT_ONCE + 4) as (pool, urls, keys):
+    with service.served({"builtin:code": AT_ONCE}, AT_ONCE + 4) as (pool, urls, keys), \
+            http_floor() as floor_url:
         service.wait_for(lambda: service.states(pool)["ready"] >= AT_ONCE,
                          "%d warm sandboxes" % AT_ONCE)
         ways = {"run_code": poster("%s/fusion/%s" % (urls["url"], keys[0])), "host": on_host,
-                "fresh_namespaces": in_fresh_namespaces()}
+                "http_floor": poster(floor_url), "fresh_namespaces": in_fresh_namespaces()}
         single = {name: one_at_a_time(call, n) for name, call in ways.items()}
         rates = {name: [] for name in ways}
         for _ in range(2):
             for name, call in ways.items():
                 rates[name].append(at_once(call, burst))
+    best = {name: max(runs, key=lambda r: r["per_s"]) for name, runs in rates.items()}
     out = {name: {"p50_ms": pct(single[name], 0.5) * 1e3, "p99_ms": pct(single[name], 0.99) * 1e3,
-                  "per_s_at_64": max(rates[name]), "rounds_per_s": rates[name]}
+                  "per_s_at_64": best[name]["per_s"],
+                  "rounds_per_s": [r["per_s"] for r in rates[name]],
+                  "cpu_ms_each_at_64": best[name]["cpu_ms"],
+                  "caller_cpu_ms_each_at_64": best[name]["caller_cpu_ms"]}
            for name in ways}
     out["run_code_over_host_at_64"] = out["run_code"]["per_s_at_64"] / out["host"]["per_s_at_64"]
     out["fresh_namespaces_over_host_at_64"] = (out["fresh_namespaces"]["per_s_at_64"] /
                                                out["host"]["per_s_at_64"])
+    out["http_floor_over_host_at_64"] = (out["http_floor"]["per_s_at_64"] /
+                                         out["host"]["per_s_at_64"])
+    # a served design pays the client's HTTP where the host's caller spawned: at best
+    # the host's CPU less its caller's, plus the client's (a server's own work >= 0)
+    host_cpu, spawn = out["host"]["cpu_ms_each_at_64"], out["host"]["caller_cpu_ms_each_at_64"]
+    client = out["http_floor"]["caller_cpu_ms_each_at_64"]
+    out["served_bound_over_host"] = host_cpu / (host_cpu - spawn + client)
     out["reset_floor"] = reset_floor()
     return out
 
@@ -182,6 +224,15 @@ def rows(s: dict) -> List[tuple]:
              "%.0f /s" % rc["per_s_at_64"],
              "%.2fx the host's %.0f /s (target >= 0.8x)" % (s["run_code_over_host_at_64"],
                                                           host["per_s_at_64"]))] + (
+        [("fusion", "  the same to a minimal asyncio HTTP server, no sandbox: at 64",
+          "%.0f /s" % s["http_floor"]["per_s_at_64"],
+          "%.2fx the host's: an asyncio server's floor" % s["http_floor_over_host_at_64"])]
+        if "http_floor" in s else []) + (
+        [("fusion", "  the HTTP client's CPU a request (the host's caller: its spawn)",
+          "%.1f ms (%.1f ms)" % (s["http_floor"]["caller_cpu_ms_each_at_64"],
+                                 s["host"]["caller_cpu_ms_each_at_64"]),
+          "any served design: at most %.2fx the host's" % s["served_bound_over_host"])]
+        if "served_bound_over_host" in s else []) + (
         [("fusion", "  the same in namespaces of its own (bwrap, no more): at 64",
           "%.0f /s" % s["fresh_namespaces"]["per_s_at_64"],
           "%.2fx the host's: a fresh sandbox per request's floor"

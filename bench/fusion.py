@@ -5,11 +5,11 @@ A python program that prints (``print("hello")``), posted to ``sandman serve``'s
 lent for it alone, then reset) one at a time (p50) and 64 at once (requests a second),
 beside the same program run by a plain ``subprocess`` on the host, with no sandbox, at
 the same concurrency: what the machine can do at all. Issue 50's target: ``/run_code``
-at 64 at once >= 0.8x that limit. Beside them, the floors: of a Python server (the
-same requests to a minimal asyncio HTTP server that runs each program on the host, with
-no sandbox: ``http_floor.py``), of the HTTP client (its CPU a request: what any served
-design pays), and of a fresh sandbox per request (the program in namespaces bwrap makes
-for it alone, nothing else of a sandbox; the CPU of one reset of ours).
+at 64 at once >= 0.8x that limit. Beside them, the floors: of a served design (the
+same requests to a minimal HTTP server that runs each program on the host, with no
+sandbox: ``http_floor.c``, native, and ``http_floor.py``, asyncio), of the HTTP client
+(its CPU a request), and of a fresh sandbox per request (the program in namespaces
+bwrap makes for it alone, nothing else of a sandbox; the CPU of one reset of ours).
 
     python bench/fusion.py [--n 200] [--burst 640]     (or make bench: its service section)
 """
@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -58,20 +59,29 @@ def on_host() -> None:
 
 
 @contextlib.contextmanager
-def http_floor() -> Iterator[str]:
-    """bench/http_floor.py serving on a free port, in a process of its own; its URL."""
+def http_floor(native: bool = False) -> Iterator[str]:
+    """A minimal server of /run_code with no sandbox, in processes of its own: its URL.
+    bench/http_floor.py (asyncio), or with ``native`` bench/http_floor.c (compiled
+    here with gcc: prefork workers, posix_spawn, nothing else)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "http_floor.py"),
-                               str(port)], stdout=subprocess.PIPE, text=True)
-    try:
-        if server.stdout.readline().strip() != "ready":
-            raise RuntimeError("bench/http_floor.py did not start")
-        yield "http://127.0.0.1:%d" % port
-    finally:
-        server.kill()
-        server.wait()
+    with tempfile.TemporaryDirectory(prefix="sandman-http-floor-") as work:
+        if native:
+            binary = os.path.join(work, "http_floor")
+            subprocess.run(["gcc", "-O2", "-o", binary, str(Path(__file__).parent /
+                                                           "http_floor.c")], check=True)
+            argv = [binary, str(port), work]
+        else:
+            argv = [sys.executable, str(Path(__file__).parent / "http_floor.py"), str(port)]
+        server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError("%s did not start" % argv[0])
+            yield "http://127.0.0.1:%d" % port
+        finally:
+            server.kill()  # (the native server's workers die with it)
+            server.wait()
 
 
 def in_fresh_namespaces() -> Callable[[], None]:
@@ -185,11 +195,12 @@ def fusion(n: int = 200, burst: int = 640) -> dict:
     """``n`` one at a time and ``burst`` 64 at once, each way, in turns."""
     import service
     with service.served({"builtin:code": AT_ONCE}, AT_ONCE + 4) as (pool, urls, keys), \
-            http_floor() as floor_url:
+            http_floor() as floor_url, http_floor(native=True) as native_url:
         service.wait_for(lambda: service.states(pool)["ready"] >= AT_ONCE,
                          "%d warm sandboxes" % AT_ONCE)
         ways = {"run_code": poster("%s/fusion/%s" % (urls["url"], keys[0])), "host": on_host,
-                "http_floor": poster(floor_url), "fresh_namespaces": in_fresh_namespaces()}
+                "http_floor": poster(floor_url), "native_floor": poster(native_url),
+                "fresh_namespaces": in_fresh_namespaces()}
         single = {name: one_at_a_time(call, n) for name, call in ways.items()}
         rates = {name: [] for name in ways}
         for _ in range(2):
@@ -205,8 +216,8 @@ def fusion(n: int = 200, burst: int = 640) -> dict:
     out["run_code_over_host_at_64"] = out["run_code"]["per_s_at_64"] / out["host"]["per_s_at_64"]
     out["fresh_namespaces_over_host_at_64"] = (out["fresh_namespaces"]["per_s_at_64"] /
                                                out["host"]["per_s_at_64"])
-    out["http_floor_over_host_at_64"] = (out["http_floor"]["per_s_at_64"] /
-                                         out["host"]["per_s_at_64"])
+    for floor in ("http_floor", "native_floor"):
+        out[floor + "_over_host_at_64"] = out[floor]["per_s_at_64"] / out["host"]["per_s_at_64"]
     # a served design pays the client's HTTP where the host's caller spawned: at best
     # the host's CPU less its caller's, plus the client's (a server's own work >= 0)
     host_cpu, spawn = out["host"]["cpu_ms_each_at_64"], out["host"]["caller_cpu_ms_each_at_64"]
@@ -228,6 +239,10 @@ def rows(s: dict) -> List[tuple]:
           "%.0f /s" % s["http_floor"]["per_s_at_64"],
           "%.2fx the host's: an asyncio server's floor" % s["http_floor_over_host_at_64"])]
         if "http_floor" in s else []) + (
+        [("fusion", "  the same to a minimal native HTTP server, no sandbox: at 64",
+          "%.0f /s" % s["native_floor"]["per_s_at_64"],
+          "%.2fx the host's: a served design's floor" % s["native_floor_over_host_at_64"])]
+        if "native_floor" in s else []) + (
         [("fusion", "  the HTTP client's CPU a request (the host's caller: its spawn)",
           "%.1f ms (%.1f ms)" % (s["http_floor"]["caller_cpu_ms_each_at_64"],
                                  s["host"]["caller_cpu_ms_each_at_64"]),

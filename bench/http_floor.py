@@ -5,7 +5,7 @@ a directory of its own and run by a plain subprocess on the host, answered in
 SandboxFusion's shape. No auth, no pool, no lease, no daemon, no reset; the standard
 library's asyncio streams and subprocesses, no framework. Beside the host's
 subprocess, what it costs is what a Python server's own path costs here, before any
-isolation: a service whose path per request is Python's asyncio cannot do better.
+isolation (``http_floor.c`` is the same with no Python).
 
     python bench/http_floor.py PORT      (serves until killed; bench/fusion.py starts it)
 """

@@ -90,6 +90,7 @@ import forks  # noqa: E402
 import fusion  # noqa: E402
 import e2b_sdk  # noqa: E402
 import isolation  # noqa: E402
+import peers  # noqa: E402
 import progress  # noqa: E402
 import service  # noqa: E402
 import stream  # noqa: E402
@@ -152,13 +153,15 @@ def table(results: dict, args) -> List[tuple]:
         rows += fusion.rows(results["fusion"])
     if "e2b" in results:
         rows += e2b_sdk.rows(results["e2b"])
+    if "peers" in results:
+        rows += peers.rows(results["peers"])
     return rows
 
 
 # in the order they run; stream last: its 100 MB chunks stay in the host's heap (which
 # density measures)
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "density",
-            "service", "fusion", "e2b", "stream")
+            "service", "fusion", "e2b", "peers", "stream")
 
 
 def isolation_section(args) -> dict:
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
             "service": lambda: service.service(args.service_n, args.service_rounds),
             "fusion": fusion.fusion,
             "e2b": e2b_sdk.e2b_beside_ours,
+            "peers": lambda: peers.peers(list(peers.PEERS)),
             "stream": lambda: stream.stream(image)}
     try:
         with progress.bar(len(sections), "make bench", unit="section") as shown:

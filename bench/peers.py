@@ -187,6 +187,19 @@ class GVisorBindings(Peer):
     def destroy(self, box) -> None:
         box.close()
 
+    def pids(self, box) -> List[int]:
+        """Its runsc processes (the sandbox, whose sentry holds the guest's memory, and
+        the gofer): those whose command line names the sandbox's id."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open("/proc/%s/cmdline" % pid, "rb") as fh:
+                    if box._id.encode() in fh.read():  # (the bindings keep it private)
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
 
 class RaySandbox(Peer):
     """Ray's own ``ray.experimental.sandbox``: an actor per sandbox, gVisor inside,

@@ -16,7 +16,8 @@ repetition runs every row, old and new, alternating which goes first):
   start, loader      the explicit loader form: old ``sandmand.py`` (compiled at every
                      start: the bundle is read-only in a sandbox), new ``sandmand.pyz``
   start, checkout    what the tests run: old ``python -I -S daemon/sandmand.py`` (a script
-                     is compiled at every start), new ``python -I -S daemon/sandmand``
+                     is compiled at every start), new ``python -I -S
+                     sandman_ray/daemon/sandmand``
 The bundle rows run the bundle's interpreter through its own dynamic loader
 (``lib/ld-linux... --library-path lib bin/python3 -IS ...``), so the bundles need not be
 mounted at /.sandman. Both bundles are built by their own checkout's builder. Prints a

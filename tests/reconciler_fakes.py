@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 
 from sandman_ray.pool.reconciler import Reconciler
-from sandman_ray.providers.base import SANDBOX_LABEL, Provider, SandboxInfo
+from sandman_ray.providers.base import SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo
 from sandman_ray.spec import PoolConfig, SandboxSpec
 
 NODE, OTHER = "node-a", "node-b"
@@ -109,6 +109,14 @@ class FakeProvider(Provider):
     async def list(self, labels=None):
         return [i for i in self.sandboxes.values()
                 if all(i.labels.get(k) == v for k, v in (labels or {}).items())]
+
+    async def snapshot(self, sandbox_id, name):
+        self.calls.append(("snapshot", name))
+        return SnapshotInfo(name, "snapshot:p/" + name, self.sandboxes[sandbox_id].spec.image,
+                            0, source=sandbox_id)
+
+    async def delete_snapshot(self, name):
+        self.calls.append(("delete_snapshot", name))
 
 
 SPEC = SandboxSpec(image="host")

@@ -88,7 +88,8 @@ def test_ttl_idle_and_grace_reclaim_by_the_clock():
         pool, _, clock, cluster = make(warm={SPEC: 3}, lease_grace_s=30, idle_timeout_s=60)
         await settle(pool)
         cluster.hosts = {"h1", "h2"}
-        task = asyncio.ensure_future(pool.lending.lease(SandboxSpec(image="host", ttl_s=20), "c1", 5))
+        task = asyncio.ensure_future(
+            pool.lending.lease(SandboxSpec(image="host", ttl_s=20), "c1", 5))
         await settle(pool)  # a spec of its own: created for it
         ttl = await task
         idle = await pool.lending.lease(SPEC, "c1", 5, holder="h1", holder_node=NODE)
@@ -99,7 +100,8 @@ def test_ttl_idle_and_grace_reclaim_by_the_clock():
         assert pool.state.records.leased(ttl.lease_id) is None
         assert pool.state.ended[ttl.lease_id].startswith("reclaimed: the lease outlived its TTL")
         assert ("h2", ttl.lease_id) in [t[:2] for t in cluster.told]
-        assert pool.state.records.leased(idle.lease_id) and pool.state.records.leased(unheld.lease_id)
+        records = pool.state.records
+        assert records.leased(idle.lease_id) and records.leased(unheld.lease_id)
         clock.now += 10  # past the grace: no host registered the third lease
         await pool.upkeep.sweep()
         assert "no host within 30 s" in pool.state.ended[unheld.lease_id]
@@ -192,7 +194,8 @@ def test_a_host_registers_leases_it_can_reach_at_once_and_only_it_may_end_them()
         # after the answer
         await asyncio.sleep(0)
         assert cluster.offered == [("h1", here.lease_id)]
-        assert pool.lending.release(here.lease_id, "h1") and pool.lending.release(there.lease_id, "h4")
+        assert pool.lending.release(here.lease_id, "h1")
+        assert pool.lending.release(there.lease_id, "h4")
     run(main())
 
 
@@ -394,7 +397,8 @@ def test_a_restarted_pool_adopts_its_sandboxes_with_their_whole_spec():
         old, provider, clock, cluster = make()
         spec = SandboxSpec(image="host", cpu=0.5, memory="64Mi", env={"K": "v"}, ttl_s=99,
                            labels={"team": "rl"})
-        task = asyncio.ensure_future(old.lending.lease(spec, "c1", 5, holder="h1", holder_node=NODE))
+        task = asyncio.ensure_future(
+            old.lending.lease(spec, "c1", 5, holder="h1", holder_node=NODE))
         task2 = asyncio.ensure_future(old.lending.lease(SPEC, "c2", 5))
         await settle(old)
         kept, free = await task, await task2
@@ -488,7 +492,8 @@ def test_a_lease_goes_to_a_sandbox_on_the_callers_node_first():
         elsewhere = await pool.lending.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER)
         assert elsewhere.node_id == NODE  # none on OTHER was ready: no wait for one
         provider.default_node = NODE
-        made = asyncio.ensure_future(pool.lending.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER))
+        made = asyncio.ensure_future(
+            pool.lending.lease(SPEC, "c1", 5, holder="h2", holder_node=OTHER))
         await settle(pool)
         assert (await made).node_id == OTHER  # created where its caller is
         anywhere = asyncio.ensure_future(pool.lending.lease(SPEC, "c1", 5, holder="h2",
@@ -538,3 +543,30 @@ def test_the_reasons_of_ended_leases_are_kept_for_a_while_not_for_a_count():
     assert 599 <= len(ended) <= 601 and "L-9999" in ended and "L-1000" not in ended
     ended.note("L-9999", "noted again")  # the newest once more: still one entry
     assert list(ended)[-1] == "L-9999" and ended["L-9999"] == "noted again"
+
+
+def test_a_fork_snapshot_goes_with_the_last_sandbox_started_from_it():
+    """A snapshot taken for a fork belongs to the forks: the provider deletes it once
+    the last sandbox started from it is gone (Supply.on_gone, which the reconciler
+    wires to SnapshotOps), and not while one lives."""
+    async def main():
+        pool, provider, clock, cluster = make()
+
+        async def leased(spec):
+            task = asyncio.ensure_future(pool.lending.lease(spec, "c1", 5))
+            await settle(pool)
+            return await task
+        first = await leased(SPEC)
+        taken = await pool.snapshot_ops.snapshot(first.lease_id, None, "fork1", for_fork=True)
+        pool.lending.release(first.lease_id)
+        fork = SandboxSpec(image=taken["image"])
+        copies = [await leased(fork) for _ in range(2)]
+        pool.lending.release(copies[0].lease_id)
+        await settle(pool)
+        assert ("delete_snapshot", "fork1") not in provider.calls  # one copy still lives
+        assert "fork1" in pool.state.snapshots
+        pool.lending.release(copies[1].lease_id)
+        await settle(pool)
+        assert ("delete_snapshot", "fork1") in provider.calls
+        assert pool.state.snapshots == {} and pool.state.fork_snapshots == set()
+    run(main())

@@ -92,10 +92,12 @@ def test_a_retried_acquire_gets_the_same_lease_never_a_second_sandbox():
                              keepalive_s=30)
         await settle(pool)
         a, b = await first, await again
-        c = await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
+        c = await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1",
+                                     keepalive_s=30)
         pool.lending.release("L-r1", HOST)
         with pytest.raises(AcquireTimeout, match="released"):
-            await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1", keepalive_s=30)
+            await pool.lending.lease(SPEC, "tenant-a", 5, holder=HOST, lease_id="L-r1",
+                                     keepalive_s=30)
         return a, b, c, provider
     a, b, c, provider = run(main())
     assert a == b == c

@@ -25,9 +25,9 @@ class Lending:
     """Acquires, leases and their holders' calls.
 
     Reads and writes of the pool's state (``PoolState``): records (lend, hold, end
-    leases; READY -> LEASED -> RELEASING), waiters and waiting (adds, serves), ended,
-    last_lent, stats; reads config. Through ``provider`` only the nodes it places on;
-    through ``cluster`` offers a lease to a host and tells a host a lease ended;
+    leases; READY -> LEASED -> RELEASING), waiters and waiting (adds, serves, forgets),
+    ended, last_lent, stats; reads config. Through ``provider`` only the nodes it places
+    on; through ``cluster`` offers a lease to a host and tells a host a lease ended;
     ``metrics`` times the waits."""
 
     def __init__(self, state: PoolState, provider: Provider, cluster, metrics):

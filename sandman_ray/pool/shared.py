@@ -5,7 +5,8 @@ class of its own that is handed this state and the collaborators it needs, so th
 what each concern reads and writes is written in its constructor and its docstring.
 What only one concern uses (the token bucket of creates, the futures of a delete under
 way, the names of snapshots being taken, the hosts seen alive) is that concern's own
-and lives on it.
+and lives on it (the reconciler's ``status`` reads the bucket's rate and when creates
+started from the supply).
 """
 
 import asyncio

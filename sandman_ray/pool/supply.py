@@ -33,14 +33,14 @@ class Supply:
     """Creates, resets and deletes.
 
     Reads and writes of the pool's state (``PoolState``): records (adds, places and
-    drops them; REQUESTED -> CREATING -> READY, RELEASING -> RESETTING -> READY, any
-    -> DELETING -> GONE), stats, events; reads config, waiters (what they want, where;
-    a fatal create fails them), last_lent and fork_snapshots, closing. Serves the
-    waiters through ``lending`` when a sandbox becomes READY, and ends the lease of
-    one it deletes. Its own: the token bucket that paces creates (``bucket``), when
-    creates started (``create_starts``), the callers waiting on a delete under way.
-    ``on_gone(rec)`` is called after a sandbox is gone (the snapshots' concern drops
-    a fork's snapshot with its last sandbox)."""
+    drops them; REQUESTED -> CREATING -> READY, RELEASING -> RESETTING -> READY, any ->
+    DELETING -> GONE), stats, events, waiters (a fatal create fails and forgets them);
+    reads config, what waiters want and where, last_lent, fork_snapshots and closing.
+    Serves the waiters through ``lending`` when a sandbox becomes READY, and ends the
+    lease of one it deletes. Its own: the token bucket that paces creates (``bucket``),
+    when creates started (``create_starts``), the callers waiting on a delete under way.
+    ``on_gone(rec)`` is called after a sandbox is gone (the snapshots' concern drops a
+    fork's snapshot with its last sandbox)."""
 
     def __init__(self, state: PoolState, provider: Provider, lending: Lending, metrics):
         self.state, self.provider, self.lending, self.metrics = state, provider, lending, metrics

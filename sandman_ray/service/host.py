@@ -18,12 +18,13 @@ reach only this address.
 """
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import os
 import secrets
 import time
-from typing import Dict, Optional, Tuple
+from typing import Deque, Dict, Optional, Tuple
 
 import ray
 
@@ -89,7 +90,10 @@ class ServiceHost(_HandleHost):
         self.per_tenant: Dict[str, int] = {}  # tenant -> leases served (not _HandleHost.held)
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
         self.underway: Dict[str, asyncio.Future] = {}  # lease id -> its acquire
-        self.freed: Dict[str, asyncio.Event] = {}  # tenant -> set when a lease of it ends
+        # tenant -> its /run_code requests waiting for room, oldest first; a lease of it
+        # that ends wakes the oldest alone (a wake of all let newer requests take the
+        # room in turn and starve the oldest past their timeouts)
+        self.queued: Dict[str, Deque[asyncio.Event]] = {}
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
         self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
@@ -383,25 +387,38 @@ class ServiceHost(_HandleHost):
         spec = SandboxSpec(image=self.fusion_image)
         budget = request.compile_timeout + request.run_timeout
         deadline = time.monotonic() + budget
-        while True:
-            try:
-                lease = await self.acquire(tenant, spec, max(1.0, deadline - time.monotonic()),
-                                           budget + 60.0, None, self.node)
-                break
-            except Refusal as no:  # at its limit: asked again when one of its leases ends
+        queue = self.queued.setdefault(tenant, collections.deque())
+        ticket: Optional[asyncio.Event] = None  # its place in line while it waits
+        ask = not queue  # (behind the requests that wait already, if any)
+        try:
+            while True:
+                message = "older requests of this tenant wait for room"
+                if ask:
+                    try:
+                        lease = await self.acquire(tenant, spec,
+                                                   max(1.0, deadline - time.monotonic()),
+                                                   budget + 60.0, None, self.node)
+                        break
+                    except Refusal as no:  # at its limit: asked again in turn
+                        if no.status != 429:
+                            raise
+                        message = no.message
                 left = deadline - time.monotonic()
-                if no.status != 429:
-                    raise
                 if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
                     raise Refusal(504, "timeout", "no sandbox was free for this request "
                                   "within its compile and run timeouts (%.1f s): %s; try again"
-                                  % (budget, no.message)) from None
-                freed = self.freed.setdefault(tenant, asyncio.Event())
-                freed.clear()
-                try:  # (at least once a second: a limit may be raised meanwhile)
-                    await asyncio.wait_for(freed.wait(), min(left, 1.0))
-                except asyncio.TimeoutError:
-                    pass
+                                  % (budget, message)) from None
+                if ticket is None or ticket not in queue:  # woken, it keeps the front
+                    woken, ticket = ticket is not None, asyncio.Event()
+                    (queue.appendleft if woken else queue.append)(ticket)
+                try:  # woken (taken off the line) when a lease of the tenant ends
+                    await asyncio.wait_for(ticket.wait(), min(left, 1.0))
+                    ask = True
+                except asyncio.TimeoutError:  # (once a second the first in line asks:
+                    ask = queue[0] is ticket  # a limit may be raised meanwhile)
+        finally:
+            if ticket is not None and ticket in queue:
+                queue.remove(ticket)
         lease_id = lease["lease_id"]
         try:
             if lease_id not in self.served:
@@ -440,8 +457,9 @@ class ServiceHost(_HandleHost):
             self.ended_for[lease_id] = served[0]
             self.gateway.cut(lease_id)
             self.e2b.ended(lease_id)
-            if served[0] in self.freed:
-                self.freed[served[0]].set()
+            waiting = self.queued.get(served[0])
+            if waiting:  # the tenant's oldest /run_code request waiting asks for the room
+                waiting.popleft().set()
             if served[1].node_id in self.gateways:
                 self.gateways[served[1].node_id][0].cut.remote(lease_id)
         return super()._take(lease_id, reason)

@@ -32,7 +32,7 @@ from typing import Callable, Dict, Iterator, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import CACHE, cpu_ticks, pct, provider, run_alone  # noqa: E402
+from common import CACHE, cpu_ticks, pct, process_cpu_s, provider, run_alone  # noqa: E402
 
 PROGRAM = 'print("hello")'
 AT_ONCE = 64
@@ -120,17 +120,12 @@ def at_once(call: Callable[[], None], n: int) -> dict:
     request and this process's (the caller's: an HTTP client, or the host's spawns)."""
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
         list(pool.map(lambda _: call(), range(AT_ONCE)))  # threads and sandboxes warm
-        ticks, own, started = cpu_ticks(), own_cpu_s(), time.perf_counter()
+        ticks, own, started = cpu_ticks(), process_cpu_s(os.getpid()), time.perf_counter()
         list(pool.map(lambda _: call(), range(n)))
         took = time.perf_counter() - started
         return {"per_s": n / took,
                 "cpu_ms": (cpu_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK") / n,
-                "caller_cpu_ms": (own_cpu_s() - own) * 1e3 / n}
-
-
-def own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
+                "caller_cpu_ms": (process_cpu_s(os.getpid()) - own) * 1e3 / n}
 
 
 def busy_ms_each(call: Callable[[], object], n: int) -> float:

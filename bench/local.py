@@ -37,6 +37,11 @@ import progress  # bench/progress.py
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def busybox_rootfs() -> Path:
+    """The benches' smallest image: a busybox rootfs under .cache/images, built once."""
+    return build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+
+
 def pct(values, q):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -141,7 +146,7 @@ async def measure(provider, spec, args, pid_of):
 def local_setup(args, user_namespaces=True, network=False, isolation="namespaces"):
     name = "bench-local" + ("-network" if network else "") + (
         "" if user_namespaces else "-host-root") + ("-gvisor" if isolation == "gvisor" else "")
-    image = args.image or "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    image = args.image or "dir:%s" % busybox_rootfs()
     # dir: images are served only from trusted roots: the project's images, or --image's
     roots = [str(ROOT / ".cache" / "images")] if not args.image or not \
         args.image.startswith("dir:") else [os.path.dirname(args.image[4:].rstrip("/"))]
@@ -162,7 +167,7 @@ def docker_setup(args):
     image = args.docker_image
     if image is None:
         image = "localhost/sandman-bench/busybox:1"
-        service.import_rootfs(build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox"), image)
+        service.import_rootfs(busybox_rootfs(), image)
     provider = DockerProvider(base_url=service.base_url, state_root="/tmp/sandman-ray/bench-docker",
                               cache_root=str(ROOT / ".cache" / "provider")).bind("bench-docker")
     engine = engine_client(service.base_url)

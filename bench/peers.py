@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local import SETUPS, measure, pct, pss_of  # noqa: E402  (bench/local.py)
+from local import SETUPS, busybox_rootfs, measure, pct, pss_of  # noqa: E402  (bench/local.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 EIGHT_GB_KB = 8 * 1024 * 1024
@@ -85,11 +85,9 @@ class Podman(Peer):
     image = "localhost/sandman-bench/peer-busybox:1"
 
     def setup(self) -> None:
-        from sandman_ray.image_builders import build_busybox_rootfs
         if shutil.which("podman") is None:
             raise RuntimeError("podman is not installed")
-        rootfs = build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
-        tar = subprocess.run(["tar", "-C", str(rootfs), "-c", "."], capture_output=True,
+        tar = subprocess.run(["tar", "-C", str(busybox_rootfs()), "-c", "."], capture_output=True,
                              check=True).stdout
         done = subprocess.run(["podman", "import", "-", self.image], input=tar,
                               capture_output=True)
@@ -118,11 +116,6 @@ class Podman(Peer):
         return [int(p) for p in out if p.isdigit() and int(p) > 0]
 
 
-def busybox() -> str:
-    from sandman_ray.image_builders import build_busybox_rootfs
-    return str(build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox"))
-
-
 class Sandlock(Peer):
     """PyPI ``sandlock``: Landlock and seccomp user notification, no root. A sandbox
     runs one process: here a shell, which each command is a line to."""
@@ -136,7 +129,7 @@ class Sandlock(Peer):
 
     def setup(self) -> None:
         importlib.import_module("sandlock")  # the bench extra installs it
-        self.rootfs = busybox()
+        self.rootfs = str(busybox_rootfs())
 
     def create(self):
         from sandlock import Sandbox, StdioMode
@@ -212,7 +205,7 @@ class RaySandbox(Peer):
     def setup(self) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="sandman-peer-ray-"))
         tar = self.work / "busybox.tar"
-        subprocess.run(["tar", "-C", busybox(), "-cf", str(tar), "."], check=True)
+        subprocess.run(["tar", "-C", str(busybox_rootfs()), "-cf", str(tar), "."], check=True)
         self.image = str(tar)
         try:  # what it takes to run here, said by its own first create
             self.destroy(self.create())

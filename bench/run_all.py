@@ -78,7 +78,6 @@ from typing import Dict, List
 
 import ray
 
-from sandman_ray.image_builders import build_busybox_rootfs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # a module per section (bench/<name>.py)
@@ -95,6 +94,7 @@ import progress  # noqa: E402
 import service  # noqa: E402
 import stream  # noqa: E402
 from common import ROOT  # noqa: E402  (bench/common.py)
+from local import busybox_rootfs  # noqa: E402  (bench/local.py)
 from noop_section import noop, noop_rows  # noqa: E402  (bench/noop_section.py)
 from reports import write_report  # noqa: E402  (bench/reports.py)
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     unknown = sorted(sections - set(SECTIONS))
     if unknown:
         parser.error("unknown sections %s (known: %s)" % (unknown, ", ".join(SECTIONS)))
-    image = "dir:%s" % build_busybox_rootfs(ROOT / ".cache" / "images" / "busybox")
+    image = "dir:%s" % busybox_rootfs()
     # the sections' providers (here and in their child processes) trust its directory
     os.environ.setdefault("SANDMAN_IMAGE_ROOTS", str(ROOT / ".cache" / "images"))
     started = time.monotonic()

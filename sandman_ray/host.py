@@ -45,7 +45,7 @@ from sandman_ray.errors import (
     AuthError, CallTimeout, ConnectionLost, ExecTimeout, LeaseEnded, SandboxLost, lease_lost)
 from sandman_ray.pool.metrics import handle_call_latency
 from sandman_ray.pool.states import EndedLeases
-from sandman_ray.pool_calls import asking, carried_async
+from sandman_ray.pool_calls import another, asking, carried_async
 
 # The daemon operations a handle forwards: the public ops of the daemon's op table, each
 # to the client's method of the same name (see sandman_ray.client for their arguments).
@@ -154,10 +154,9 @@ class _HandleHost:
         if self.pools.get(pool) is dead:
             del self.pools[pool]
         try:
-            fresh = self._pool(pool)
+            return another(self._pool(pool), dead)
         except ValueError:  # no pool of that name any more
             return None
-        return None if fresh._actor_id == dead._actor_id else fresh
 
     def _changed(self) -> None:
         """Wake the calls that wait for a lease to be taken or to end."""

@@ -12,7 +12,7 @@ import ray
 from sandman_ray.errors import SandmanError
 from sandman_ray.spec import check_pool_name
 from sandman_ray.names import NAMESPACE, pool_actor_name
-from sandman_ray.pool_calls import asking, carried, carried_async
+from sandman_ray.pool_calls import another, asking, carried, carried_async
 
 _pools: Dict[str, object] = {}  # pool name -> actor handle
 _cached_for = [None]  # the Ray session the caches belong to
@@ -72,8 +72,7 @@ def looked_up_again(name: str, pool):
     """The pool's handle looked up anew, once ``pool`` (a cached one) turned out dead;
     None when it is the same actor (the pool itself is gone)."""
     forget_pool(name, pool)
-    fresh = get_pool(name, refresh=True)
-    return None if fresh._actor_id == pool._actor_id else fresh
+    return another(get_pool(name, refresh=True), pool)
 
 
 def call_pool(name: str, method: str, *args):

@@ -31,6 +31,12 @@ def restart_wait(attempt: int) -> float:
     return float(min(0.05 * 2 ** attempt, 1.0))
 
 
+def another(fresh, dead):
+    """``fresh`` (the pool's actor looked up anew, once ``dead`` turned out dead) if it is
+    another actor; None when it is the same one (the pool itself is gone)."""
+    return None if fresh._actor_id == dead._actor_id else fresh
+
+
 def asking(ask: Callable[[Any], Any], actor, again: Callable[[Any], Optional[Any]],
            deadline: Optional[float] = None) -> Plan:
     """The plan of one call: ``ask(actor)`` sends an attempt (its ObjectRef); ``again

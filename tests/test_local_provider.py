@@ -158,6 +158,29 @@ def test_reset_drops_writes_and_processes(provider, images):
 
 
 
+def test_a_gvisor_sandbox_reset_drops_writes_and_processes(busybox_rootfs):
+    """Under gVisor a reset starts the sandbox afresh: a new runsc, and nothing of the
+    last lease's files or processes (its runsc state removed first, when it left any)."""
+    from conftest import shared_ray
+    shared_ray()
+    gvisor = LocalProvider(state_root=STATE, cache_root=CACHE, isolation="gvisor").bind(
+        "test-gv-%s" % uuid.uuid4().hex[:6])
+    try:
+        with Sandbox(gvisor, "dir:%s" % busybox_rootfs) as sb:
+            first = sb.info.details["pid"]
+            for episode in ("1", "2"):
+                sb.client.write_file("/root/notes", episode.encode())
+                sb.client.spawn("sleep 81.5")
+                sb.client.close()
+                info = run(gvisor.reset(sb.id))
+                sb.client = DaemonClient(info.address, info.token, default_timeout=60)
+                assert info.details["pid"] != first
+                assert sb.client.exec("ls /root/notes").exit_code != 0
+                assert "81.5" not in sb.client.exec("ps").text
+    finally:
+        run(gvisor.shutdown())
+
+
 def test_resets_of_one_sandbox_at_once_run_one_after_the_other(provider, images):
     """Four resets of one sandbox asked at the same moment (a caller that retries while
     its first reset is under way) each complete, one after another: the sandbox comes

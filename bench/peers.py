@@ -34,9 +34,12 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local import SETUPS, busybox_rootfs, measure, pct, pss_of  # noqa: E402  (bench/local.py)
+import peer_forks  # noqa: E402  (bench/peer_forks.py)
+import stages  # noqa: E402  (bench/stages.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 EIGHT_GB_KB = 8 * 1024 * 1024
+FORKS = (8, 100)  # copies of a live sandbox, beside sandlock's fork
 
 
 class Peer:
@@ -64,6 +67,32 @@ class Peer:
 
     def pids(self, box) -> List[int]:
         return []
+
+    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
+        """What the peer does without that our level pays for, measured in this run:
+        figure (FIGURES' group.key, or pss_kb_per_sandbox) -> [(what, amount)]."""
+        return {}
+
+
+def _between(mine: dict, first: str, then: str) -> Optional[float]:
+    """ms between two moments of our create (stages.create_stages), where both were."""
+    at = dict(mine.get("create_stages", {}).get("stages_ms", []))
+    return at[then] - at[first] if first in at and then in at else None
+
+
+def _daemon(mine: dict, burst: int, where: str) -> Dict[str, List[tuple]]:
+    """A daemon's start in our sandbox: its time, and its CPU over a burst's creates on
+    this machine's cores (half of them for the first half usable)."""
+    anatomy, cores = mine["anatomy"], os.cpu_count() or 1
+    each = anatomy["daemon_start_cpu_ms"] * burst / cores / 1e3
+    return {"create_sequential.p50_ms": [("a daemon (its start %s)" % where,
+                                          anatomy["daemon_start_ms"]),
+                                         ("a create's check that a command runs (an exec)",
+                                          mine["exec_true"]["p50_ms"])],
+            "create_burst.usable_50_s": [("a daemon (its start's CPU, %d at once on %d cores)"
+                                          % (burst // 2, cores), each / 2)],
+            "create_burst.usable_100_s": [("a daemon (its start's CPU, %d at once on %d cores)"
+                                           % (burst, cores), each)]}
 
 
 def _run(argv: List[str], what: str, timeout: float = 120) -> str:
@@ -110,6 +139,10 @@ class Podman(Peer):
     def destroy(self, box) -> None:
         _run(["podman", "rm", "-f", "-t", "0", box], "podman rm")
 
+    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
+        return {"pss_kb_per_sandbox": [("a daemon (its PSS)", mine["anatomy"]
+                                        ["pss_kb_by_process"].get("sandmand", 0))]}
+
     def pids(self, box) -> List[int]:
         out = _run(["podman", "inspect", "--format", "{{.State.Pid}} {{.State.ConmonPid}}",
                     box], "podman inspect").split()
@@ -150,6 +183,25 @@ class Sandlock(Peer):
         box.kill()
         box.wait()
 
+    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
+        out = _daemon(mine, mine["create_burst"]["n"], "in our sandbox")
+        launch = _between(mine, "exec bwrap", "exec sandmand")
+        if launch is not None:
+            out["create_sequential.p50_ms"].append(
+                ("namespaces, an image's mounts, a filter (bwrap's part of our create)", launch))
+        if s["kernel"].get("cgroup_v1_move_ms"):
+            out["create_sequential.p50_ms"].append(
+                ("cgroups (the kernel's move of the launch into them, v1)",
+                 s["kernel"]["cgroup_v1_move_ms"]))
+        out["pss_kb_per_sandbox"] = [("a daemon (its PSS)", mine["anatomy"]
+                                      ["pss_kb_by_process"].get("sandmand", 0))]
+        burst, cores = mine["create_burst"]["n"], os.cpu_count() or 1
+        for key, n in (("create_burst.usable_50_s", burst // 2), ("create_burst.usable_100_s",
+                                                                  burst)):
+            out[key].append(("namespaces and mounts (their CPU, %d at once on %d cores)"
+                             % (n, cores), s["kernel"]["namespaces_cpu_ms"] * n / cores / 1e3))
+        return out
+
     def pids(self, box) -> List[int]:
         from sandman_ray.daemon.sandmand.spawn import descendants
         return [box.pid] + descendants(box.pid) if box.pid else []
@@ -179,6 +231,16 @@ class GVisorBindings(Peer):
 
     def destroy(self, box) -> None:
         box.close()
+
+    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
+        out = _daemon(mine, mine["create_burst"]["n"], "under gVisor")
+        heap = s["ours"].get("local", {}).get("anatomy", {}).get("pss_kb_by_process", {})
+        out["pss_kb_per_sandbox"] = [
+            ("runsc's process, which our launch keeps in the foreground",
+             mine["anatomy"]["pss_kb_by_process"].get("runsc", 0))] + (
+            [("a daemon, whose heap its sentry holds (its PSS outside gVisor)",
+              heap["sandmand"])] if "sandmand" in heap else [])
+        return out
 
     def pids(self, box) -> List[int]:
         """Its runsc processes (the sandbox, whose sentry holds the guest's memory, and
@@ -293,26 +355,39 @@ def why_not(exc: BaseException) -> str:
 
 
 def ours(setup: str, creates: int, burst: int, execs: int) -> dict:
-    """Our level ``setup`` (bench/local.py), measured the same way."""
+    """Our level ``setup`` (bench/local.py), measured the same way, then taken apart
+    (bench/stages.py): a create stage by stage (where the launch is a process of ours)
+    and an idle sandbox's memory and daemon."""
     args = SimpleNamespace(image=None, docker_image=None, creates=creates, bursts=[1, burst],
                            execs=execs, resets=1)
     provider, spec, pid_of, teardown = SETUPS[setup](args)
+
+    async def measured():
+        mine = {}
+        if setup != "docker":  # (a Podman container's launch is Podman's processes)
+            mine["create_stages"] = await stages.create_stages(
+                provider, spec, max(5, creates // 2), lambda info: info.details["pid"])
+        mine["anatomy"] = await stages.anatomy(provider, spec, burst, pid_of)
+        _, out = await measure(provider, spec, args, pid_of)  # (it shuts the provider down)
+        big = out["create_%d" % burst]
+        return dict(mine, create_sequential=out["create_sequential"],
+                    # a burst's creates all start at once: its p50 latency is when half answered
+                    create_burst={"n": burst, "usable_50_s": big["p50_ms"] / 1e3,
+                                  "usable_100_s": big["all_s"]},
+                    exec_true=out["exec_true"], pss_kb_per_sandbox=out["pss_kb_per_sandbox"])
     try:
-        _, out = asyncio.run(measure(provider, spec, args, pid_of))
+        return asyncio.run(measured())
     finally:
         if teardown:
             teardown()
-    big = out["create_%d" % burst]
-    return {"create_sequential": out["create_sequential"],
-            # a burst's creates all start at once: its p50 latency is when half answered
-            "create_burst": {"n": burst, "usable_50_s": big["p50_ms"] / 1e3,
-                             "usable_100_s": big["all_s"]},
-            "exec_true": out["exec_true"], "pss_kb_per_sandbox": out["pss_kb_per_sandbox"]}
 
 
 def peers(names: List[str], creates: int = 20, burst: int = 100, execs: int = 1000) -> dict:
     """Each peer of ``names`` and the levels of ours they stand beside."""
-    out: Dict[str, dict] = {"ours": {}, "peers": {}}
+    out: Dict[str, dict] = {"ours": {}, "peers": {},
+                            "kernel": {"cgroup_v1_move_ms": stages.cgroup_move_ms(),
+                                       "namespaces_cpu_ms": stages.namespaces_cpu_ms(
+                                           busybox_rootfs())}}
     for name in names:
         peer = PEERS[name]()
         row: dict = {"name": peer.name, "ours": peer.ours, "trade": peer.trade}
@@ -327,6 +402,10 @@ def peers(names: List[str], creates: int = 20, burst: int = 100, execs: int = 10
         out["peers"][name] = row
         if peer.ours not in out["ours"]:
             out["ours"][peer.ours] = ours(peer.ours, creates, burst, execs)
+        if "could_not_run" not in row:
+            row["does_without"] = peer.does_without(out["ours"][peer.ours], out)
+    if "could_not_run" not in out["peers"].get("sandlock", {"could_not_run": ""}):
+        out["forks"] = peer_forks.forks(FORKS, 3, str(busybox_rootfs()))
     return out
 
 
@@ -342,27 +421,68 @@ def ratio(ours_: float, theirs: float) -> str:
 
 
 def rows(s: dict) -> List[tuple]:
-    """(section, measure, value, note) rows: each peer's figure with ours beside it."""
-    out = []
+    """(section, measure, value, note) rows: each peer's figure with ours beside it, and
+    where theirs is ahead, ours less what the peer does without (measured here)."""
+    out, shown = [], set()
+    move = s.get("kernel", {}).get("cgroup_v1_move_ms")
+    if move is not None:
+        out.append(("peers", "the kernel: a thread's move into a cgroup v1 group and back",
+                    "%.2f ms" % move, "what a launch's first process pays to start in the "
+                    "sandbox's groups"))
     for name, peer in s["peers"].items():
         if "could_not_run" in peer:
             out.append(("peers", "%s: could not run here" % peer["name"],
                         "-", peer["could_not_run"][:120]))
             continue
         mine = s["ours"][peer["ours"]]
-        for label, group, key, unit in FIGURES:
-            theirs, ours_ = peer[group][key], mine[group][key]
-            out.append(("peers", "%s: %s" % (peer["name"], label),
-                        "%.2f %s" % (theirs, unit),
+        if peer["ours"] not in shown:
+            shown.add(peer["ours"])
+            out += _ours_apart(peer["ours"], mine)
+        without = peer.get("does_without", {})
+        for label, group, key, unit in FIGURES + (
+                ("idle PSS per sandbox", "pss_kb_per_sandbox", None, "MB"),):
+            if key is None:
+                if group not in peer:
+                    continue
+                theirs, ours_ = peer[group] / 1024, mine[group] / 1024
+                figure = group
+            else:
+                theirs, ours_, figure = peer[group][key], mine[group][key], group + "." + key
+            out.append(("peers", "%s: %s" % (peer["name"], label), "%.2f %s" % (theirs, unit),
                         "ours (%s) %.2f %s: %s theirs" % (peer["ours"], ours_, unit,
                                                           ratio(ours_, theirs))))
-        if "pss_kb_per_sandbox" in peer:
-            theirs, ours_ = peer["pss_kb_per_sandbox"], mine["pss_kb_per_sandbox"]
-            out.append(("peers", "%s: idle PSS per sandbox (fit in 8 GB)" % peer["name"],
-                        "%.1f MB (%d)" % (theirs / 1024, EIGHT_GB_KB // theirs),
-                        "ours %.1f MB (%d): %s theirs"
-                        % (ours_ / 1024, EIGHT_GB_KB // ours_, ratio(ours_, theirs))))
+            if ours_ > theirs and without.get(figure):
+                scale = 1 / 1024 if unit == "MB" else 1
+                less = ours_ - sum(amount for _, amount in without[figure]) * scale
+                out.append(("peers", "  ours less what it does without", "%.2f %s" % (less, unit),
+                            "%s theirs; without: %s" % (ratio(less, theirs), "; ".join(
+                                "%s %.2f %s" % (what, amount * scale, unit)
+                                for what, amount in without[figure]))))
         out.append(("peers", "%s: against ours" % peer["name"], "", peer["trade"]))
+    if "forks" in s and "local" in s["ours"]:
+        out += peer_forks.rows(s["forks"], s["ours"]["local"]["anatomy"],
+                               s["kernel"]["namespaces_cpu_ms"])
+    return out
+
+
+def _ours_apart(level: str, mine: dict) -> List[tuple]:
+    """Our level taken apart: its create's moments, its idle sandbox's memory and its
+    daemon's start."""
+    out = []
+    if "create_stages" in mine:
+        out.append(("peers", "ours (%s): a create's moments, ms from its call" % level, "",
+                    ", ".join("%s %.1f" % (name, at)
+                              for name, at in mine["create_stages"]["stages_ms"])))
+    a = mine.get("anatomy")
+    if a:
+        out.append(("peers", "ours (%s): idle PSS per sandbox by process" % level, "",
+                    ", ".join("%s %.2f MB" % (name, kb / 1024)
+                              for name, kb in a["pss_kb_by_process"].items()) +
+                    ", the agent's share %.2f MB" % (a["agent_share_kb"] / 1024)))
+        out.append(("peers", "ours (%s): the daemon's start in a sandbox" % level,
+                    "%.1f ms" % a["daemon_start_ms"],
+                    "%.1f ms of CPU; the interpreter alone %.1f ms"
+                    % (a["daemon_start_cpu_ms"], a["interpreter_start_ms"])))
     return out
 
 

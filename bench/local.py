@@ -52,6 +52,11 @@ def pss_kb(pid: int) -> int:
     return pss_of([pid] + descendants(pid))
 
 
+def serving(pids) -> set:
+    """``pids`` and their descendants, each once (a conmon's child may be named too)."""
+    return set(pids).union(*(descendants(pid) for pid in pids))
+
+
 def pss_of(pids, field: str = "Pss") -> int:
     """PSS of the processes ``pids`` (those still there), in KiB; or another line of
     their smaps_rollup (``Anonymous``: their private and copied-on-write memory)."""
@@ -107,7 +112,7 @@ async def measure(provider, spec, args, pid_of):
                                 "p99_ms": pct(latencies, 0.99) * 1e3, "all_s": wall}
         if n == max(args.bursts):
             await asyncio.sleep(1.0)  # let start-up settle before measuring idle memory
-            pss = [sum(pss_kb(pid) for pid in pid_of(r[1])) for r in results]
+            pss = [pss_of(serving(pid_of(r[1]))) for r in results]
             out["pss_kb_per_sandbox"] = sum(pss) / len(pss)
         ids = [r[0] for r in results]
         if n == 1:
@@ -174,7 +179,13 @@ def docker_setup(args):
 
     def pids(info):  # the daemon (the container's PID 1) and its conmon
         state = engine.api.inspect_container(info.details["container"])["State"]
-        return [state["Pid"]] + ([state["ConmonPid"]] if state.get("ConmonPid") else [])
+        conmon = state.get("ConmonPid")
+        if not conmon:  # (Podman's Docker-compatible API leaves it out: its parent)
+            with open("/proc/%d/stat" % state["Pid"]) as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open("/proc/%d/comm" % parent) as fh:
+                conmon = parent if fh.read().strip() == "conmon" else None
+        return [state["Pid"]] + ([conmon] if conmon else [])
     return provider, SandboxSpec(image=image), pids, service.stop
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local import SETUPS, busybox_rootfs, measure, pct, pss_of  # noqa: E402  (bench/local.py)
 import peer_forks  # noqa: E402  (bench/peer_forks.py)
+from common import CACHE  # noqa: E402  (bench/common.py)
 import stages  # noqa: E402  (bench/stages.py)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +79,12 @@ def _between(mine: dict, first: str, then: str) -> Optional[float]:
     """ms between two moments of our create (stages.create_stages), where both were."""
     at = dict(mine.get("create_stages", {}).get("stages_ms", []))
     return at[then] - at[first] if first in at and then in at else None
+
+
+def _daemon_pss(mine: dict, s: dict) -> tuple:
+    return ("a daemon (its PSS; a Python interpreter's alone %.2f MB)"
+            % (s["kernel"]["interpreter_pss_kb"] / 1024),
+            mine["anatomy"]["pss_kb_by_process"].get("sandmand", 0))
 
 
 def _daemon(mine: dict, burst: int, where: str) -> Dict[str, List[tuple]]:
@@ -140,8 +147,7 @@ class Podman(Peer):
         _run(["podman", "rm", "-f", "-t", "0", box], "podman rm")
 
     def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
-        return {"pss_kb_per_sandbox": [("a daemon (its PSS)", mine["anatomy"]
-                                        ["pss_kb_by_process"].get("sandmand", 0))]}
+        return {"pss_kb_per_sandbox": [_daemon_pss(mine, s)]}
 
     def pids(self, box) -> List[int]:
         out = _run(["podman", "inspect", "--format", "{{.State.Pid}} {{.State.ConmonPid}}",
@@ -193,8 +199,7 @@ class Sandlock(Peer):
             out["create_sequential.p50_ms"].append(
                 ("cgroups (the kernel's move of the launch into them, v1)",
                  s["kernel"]["cgroup_v1_move_ms"]))
-        out["pss_kb_per_sandbox"] = [("a daemon (its PSS)", mine["anatomy"]
-                                      ["pss_kb_by_process"].get("sandmand", 0))]
+        out["pss_kb_per_sandbox"] = [_daemon_pss(mine, s)]
         burst, cores = mine["create_burst"]["n"], os.cpu_count() or 1
         for key, n in (("create_burst.usable_50_s", burst // 2), ("create_burst.usable_100_s",
                                                                   burst)):
@@ -387,7 +392,9 @@ def peers(names: List[str], creates: int = 20, burst: int = 100, execs: int = 10
     out: Dict[str, dict] = {"ours": {}, "peers": {},
                             "kernel": {"cgroup_v1_move_ms": stages.cgroup_move_ms(),
                                        "namespaces_cpu_ms": stages.namespaces_cpu_ms(
-                                           busybox_rootfs())}}
+                                           busybox_rootfs()),
+                                       "interpreter_pss_kb": stages.interpreter_pss_kb(
+                                           Path(CACHE) / "bundle")}}
     for name in names:
         peer = PEERS[name]()
         row: dict = {"name": peer.name, "ours": peer.ours, "trade": peer.trade}
@@ -478,7 +485,8 @@ def _ours_apart(level: str, mine: dict) -> List[tuple]:
         out.append(("peers", "ours (%s): idle PSS per sandbox by process" % level, "",
                     ", ".join("%s %.2f MB" % (name, kb / 1024)
                               for name, kb in a["pss_kb_by_process"].items()) +
-                    ", the agent's share %.2f MB" % (a["agent_share_kb"] / 1024)))
+                    (", the agent's share %.2f MB" % (a["agent_share_kb"] / 1024)
+                     if a["agent_share_kb"] is not None else "")))
         out.append(("peers", "ours (%s): the daemon's start in a sandbox" % level,
                     "%.1f ms" % a["daemon_start_ms"],
                     "%.1f ms of CPU; the interpreter alone %.1f ms"

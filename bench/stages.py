@@ -10,8 +10,8 @@ of one of our levels does without:
                   median of each moment from the create's call, over --creates
   cgroup_move_ms  what the kernel takes to move a thread into a cgroup v1 group and back
                   (a launch's first process starts in the sandbox's groups that way)
-  interpreter     the daemon bundle's interpreter doing nothing: its start (ms) and its
-                  PSS (KiB), the floor of any daemon written in Python
+  interpreter     the daemon bundle's interpreter doing nothing, 20 at once: its PSS
+                  (KiB), the floor of any daemon written in Python
 """
 
 import asyncio
@@ -143,26 +143,24 @@ def cgroup_move_ms(reps: int = 20) -> Optional[float]:
     return statistics.median(times) * 1e3
 
 
-def interpreter(bundle: Path, reps: int = 20) -> dict:
-    """The bundle's interpreter alone: the median start of ``-IS -c pass`` (ms) and the
-    PSS of one that sleeps (KiB)."""
+def interpreter_pss_kb(bundle: Path, n: int = 20) -> float:
+    """The PSS (KiB) of each of ``n`` idle interpreters of the daemon bundle at once
+    (sharing their libraries as the daemons of ``n`` sandboxes do): what any daemon in
+    Python holds before its first import."""
     from local import pss_of  # noqa: E402
     argv = [str(bundle / "lib" / "ld-linux-x86-64.so.2"), "--library-path",
-            str(bundle / "lib"), str(bundle / "bin" / "python3"), "-IS", "-c"]
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        subprocess.run(argv + ["pass"], check=True)
-        times.append(time.perf_counter() - t)
-    idle = subprocess.Popen(argv + ["import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+            str(bundle / "lib"), str(bundle / "bin" / "python3"), "-IS", "-c",
+            "import sys; sys.stdout.write('up\\n'); sys.stdout.flush(); sys.stdin.read()"]
+    idle = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            for _ in range(n)]
     try:
-        time.sleep(0.5)
-        pss = pss_of([idle.pid])
+        for proc in idle:
+            proc.stdout.readline()  # started
+        return pss_of([proc.pid for proc in idle]) / n
     finally:
-        idle.stdin.close()
-        idle.wait()
-    return {"start_ms": statistics.median(times) * 1e3, "pss_kb": pss}
-
+        for proc in idle:
+            proc.stdin.close()
+            proc.wait()
 
 
 def _comm(pid: int) -> str:
@@ -204,24 +202,23 @@ async def anatomy(provider, spec, n: int, pid_of) -> dict:
     and the daemon's program (its imports, then an exit for want of arguments), each
     less ``true``'s: what a daemon in Python costs to start at this level, in time and
     in the machine's CPU."""
-    from local import burst, pss_of  # noqa: E402
+    from local import burst, pss_of, serving  # noqa: E402
     from sandman_ray import AsyncDaemonClient
-    from sandman_ray.daemon.sandmand.spawn import descendants
     results, _ = await burst(provider, spec, n)
     try:
         await asyncio.sleep(1.0)  # start-up settled
         by_name: Dict[str, int] = {}
         agents = set()
         for _, info, _ in results:
+            for each in serving(pid_of(info)):
+                name = _comm(each)
+                by_name[name] = by_name.get(name, 0) + pss_of([each])
             for pid in pid_of(info):
-                for each in [pid] + descendants(pid):
-                    name = _comm(each)
-                    by_name[name] = by_name.get(name, 0) + pss_of([each])
                 parent = _parent(pid)
                 if parent is not None and _comm(parent).startswith("ray::"):
                     agents.add(parent)
         out = {"pss_kb_by_process": {name: kb / n for name, kb in sorted(by_name.items())},
-               "agent_share_kb": sum(pss_of([a]) for a in agents) / n}
+               "agent_share_kb": sum(pss_of([a]) for a in agents) / n if agents else None}
         info = results[0][1]
         client = await AsyncDaemonClient.connect(info.address, info.token)
         try:

@@ -37,13 +37,15 @@ def baseline_tree(ref: str) -> Optional[Path]:
 
 def run_sections(tree: Path, sections: List[str], args: List[str] = ()) -> dict:
     """``tree``'s ``bench/run_all.py`` for ``sections`` (with ``args``), in a process of
-    its own; its results by section. Its report goes to a file of its own, not to
-    ``tree``'s latest.json."""
+    its own; its results by section. Its report goes to a file of its own (a run_all
+    from before ``--results`` writes the worktree's own latest.json, not this one's)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
+    run_all = tree / "bench" / "run_all.py"
     report_file = tree / ".cache" / "against-turn.json"
     report_file.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(tree / "bench" / "run_all.py"), "--sections",
-                           ",".join(sections), "--results", str(report_file)] + list(args),
+    report = ["--results", str(report_file)] if '"--results"' in run_all.read_text() else []
+    done = subprocess.run([sys.executable, str(run_all), "--sections", ",".join(sections)] +
+                          report + list(args),
                           cwd=str(tree), env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError("%s's sections %s failed: %s"

@@ -18,10 +18,11 @@ import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
+
+from peer_gaps import less_row  # (bench/peer_gaps.py)
 
 STATE_BYTES = 1 << 20
-POOL_PROCESSES = ("ray::PoolActor", "ray::NodeAgent")  # their names (comm) as Ray sets them
 TRADE = ("its clones are processes that run one function and end: no filesystem of "
          "their own (the host's, behind Landlock), no command after it, no namespaces; "
          "each copy of ours is a sandbox with its own writable layer holding the "
@@ -48,27 +49,33 @@ def sandlock_forks(counts: Sequence[int], rounds: int) -> Dict[str, float]:
     return out
 
 
-def _pool_cpu_s() -> float:
-    """CPU seconds used so far by the pool's actor and its node agents (every such
-    process: the bench runs one pool at a time)."""
-    from common import process_cpu_s  # noqa: E402  (bench/common.py)
+def _cpu_s(pids: List[int]) -> float:
+    """CPU seconds used so far by ``pids`` (those still there)."""
+    from common import process_cpu_s  # (bench/common.py)
     total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in pids:
         try:
-            with open("/proc/%s/comm" % pid) as fh:
-                if fh.read().strip() in POOL_PROCESSES:
-                    total += process_cpu_s(int(pid))
+            total += process_cpu_s(pid)
         except OSError:
             continue
     return total
 
 
+def _pool_pids(pool: str) -> List[int]:
+    """The pids of the pool's actor and of its node agents."""
+    import ray
+    import sandman_ray as sandman
+    from soak import agent_pids  # (bench/soak.py)
+    return [ray.get(sandman.get_pool(pool).status.remote())["pid"]] + agent_pids(pool)
+
+
 def our_forks(counts: Sequence[int], rounds: int, rootfs: str) -> dict:
     """n -> the median seconds of ``sandman.fork(parent, n)`` until every copy answered,
-    and the median CPU seconds its pool's actor and agent spent on it."""
+    and the median CPU seconds its pool's actor and node agents spent on it (the copy
+    of the parent's files, 1 MB, among it)."""
     import sandman_ray as sandman
     from sandman_ray.providers.local import LocalProvider
-    from common import CACHE, states, wait_for  # noqa: E402  (bench/common.py)
+    from common import CACHE, states, wait_for  # (bench/common.py)
     spec = sandman.SandboxSpec(image="dir:%s" % rootfs)
     pool = "bench-peer-fork-" + uuid.uuid4().hex[:6]
     sandman.create_pool(pool, provider=LocalProvider(state_root="/tmp/sandman-ray/bench-peer-fork",
@@ -79,21 +86,26 @@ def our_forks(counts: Sequence[int], rounds: int, rootfs: str) -> dict:
         with sandman.sandbox(spec, pool=pool, timeout=120) as parent, \
                 ThreadPoolExecutor(max(counts)) as threads:
             parent.write_file("/tmp/state", os.urandom(STATE_BYTES))
-            before = sum(states(pool).values())  # the parent, and a warm one
+            wait_for(lambda: states(pool).get("ready", 0) >= 1, "the pool's warm sandbox")
+            before = sum(states(pool).values())  # the parent, and the warm one
+            snapshots = len(sandman.snapshots(pool))
+            serving = _pool_pids(pool)
             for n in counts:
                 times, cpu = [], []
                 for _ in range(rounds):
-                    started, used = time.perf_counter(), _pool_cpu_s()
+                    used = _cpu_s(serving)
+                    started = time.perf_counter()
                     copies = sandman.fork(parent, n)
                     answers = list(threads.map(lambda sb: sb.exec("true"), copies))
                     times.append(time.perf_counter() - started)
-                    cpu.append(_pool_cpu_s() - used)
+                    cpu.append(_cpu_s(serving) - used)
                     for sb in copies:
                         sandman.release(sb)
                     if any(a.exit_code != 0 for a in answers):
                         raise RuntimeError("a fork did not answer: %r" % answers)
-                    # the copies gone before the next round (their deletes not in it)
-                    wait_for(lambda: sum(states(pool).values()) <= before, "the forks' deletes")
+                    # the copies and their snapshot gone before the next round
+                    wait_for(lambda: sum(states(pool).values()) <= before and
+                             len(sandman.snapshots(pool)) <= snapshots, "the forks' deletes")
                 out["s"][str(n)] = statistics.median(times)
                 out["pool_cpu_s"][str(n)] = statistics.median(cpu)
     finally:
@@ -108,7 +120,7 @@ def forks(counts: Sequence[int], rounds: int, rootfs: str) -> dict:
             "ours_pool_cpu_s": ours["pool_cpu_s"]}
 
 
-def rows(s: dict, anatomy: dict, namespaces_cpu_ms: float) -> List[tuple]:
+def rows(s: dict, anatomy: dict, namespaces_cpu_ms: Optional[float]) -> List[tuple]:
     """Each n: theirs, ours, and ours less what their clones do without: a daemon's and
     namespaces' start in each copy, a pool and an agent (their CPU over this machine's
     cores)."""
@@ -119,14 +131,14 @@ def rows(s: dict, anatomy: dict, namespaces_cpu_ms: float) -> List[tuple]:
         out.append(("peers", "sandlock: fork a live sandbox into %d, all done" % n,
                     "%.3f s" % theirs, "ours (sandman.fork, local) %.3f s: %.2fx theirs"
                     % (ours, ours / theirs)))
-        daemons = n * anatomy["daemon_start_cpu_ms"] / cores / 1e3
-        spaces = n * namespaces_cpu_ms / cores / 1e3
-        pool = s["ours_pool_cpu_s"][str(n)] / cores
-        less = ours - daemons - spaces - pool
-        out.append(("peers", "  ours less what it does without", "%.3f s" % less,
-                    "%.2fx theirs; without: %d daemons (their start's CPU on %d cores) %.3f s; "
-                    "%d sets of namespaces and mounts (their CPU) %.3f s; a pool that leases "
-                    "each copy and its agent (their CPU) %.3f s"
-                    % (less / theirs, n, cores, daemons, n, spaces, pool)))
+        items = [("%d daemons (their start's CPU on %d cores)" % (n, cores),
+                  n * anatomy["daemon_start_cpu_ms"] / cores / 1e3)]
+        if namespaces_cpu_ms:
+            items.append(("%d sets of namespaces and binds (their CPU)" % n,
+                          n * namespaces_cpu_ms / cores / 1e3))
+        items.append(("a pool that leases each copy, and its agent (their CPU)",
+                      s["ours_pool_cpu_s"][str(n)] / cores))
+        if ours > theirs:
+            out.append(less_row("s", ours, theirs, items))
     out.append(("peers", "sandlock's fork: against ours", "", s["trade"]))
     return out

@@ -8,9 +8,15 @@ For each peer and for our comparable isolation level (``bench/local.py``'s setup
   idle memory                               PSS of every process that serves a sandbox
                                             (ours: daemon and bwrap, or daemon and conmon),
                                             and how many idle sandboxes fit in 8 GB
+  fork                                      a live sandbox into 8 and 100 copies, beside
+                                            sandlock's fork (bench/peer_forks.py)
 
 Each peer row names the level of ours it stands beside and what the peer gives up or
-adds; a peer that cannot run here says why (the error, measured), not a figure.
+adds; a peer that cannot run here says why (the error, measured), not a figure. Our
+levels are taken apart (a create moment by moment: bench/stages.py; an idle sandbox's
+memory and daemon, and what the kernel charges for parts of a sandbox:
+bench/anatomy.py), and where a peer is ahead, a row says what it does without, with
+those figures, and ours less it (bench/peer_gaps.py).
 
     python bench/peers.py [--peers podman,...] [--creates 20] [--burst 100] [--execs 1000]
 """
@@ -34,9 +40,11 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local import SETUPS, busybox_rootfs, measure, pct, pss_of  # noqa: E402  (bench/local.py)
+import anatomy  # noqa: E402  (bench/anatomy.py)
 import peer_forks  # noqa: E402  (bench/peer_forks.py)
-from common import CACHE  # noqa: E402  (bench/common.py)
+import peer_gaps  # noqa: E402  (bench/peer_gaps.py)
 import stages  # noqa: E402  (bench/stages.py)
+from common import CACHE  # noqa: E402  (bench/common.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 EIGHT_GB_KB = 8 * 1024 * 1024
@@ -68,38 +76,6 @@ class Peer:
 
     def pids(self, box) -> List[int]:
         return []
-
-    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
-        """What the peer does without that our level pays for, measured in this run:
-        figure (FIGURES' group.key, or pss_kb_per_sandbox) -> [(what, amount)]."""
-        return {}
-
-
-def _between(mine: dict, first: str, then: str) -> Optional[float]:
-    """ms between two moments of our create (stages.create_stages), where both were."""
-    at = dict(mine.get("create_stages", {}).get("stages_ms", []))
-    return at[then] - at[first] if first in at and then in at else None
-
-
-def _daemon_pss(mine: dict, s: dict) -> tuple:
-    return ("a daemon (its PSS; a Python interpreter's alone %.2f MB)"
-            % (s["kernel"]["interpreter_pss_kb"] / 1024),
-            mine["anatomy"]["pss_kb_by_process"].get("sandmand", 0))
-
-
-def _daemon(mine: dict, burst: int, where: str) -> Dict[str, List[tuple]]:
-    """A daemon's start in our sandbox: its time, and its CPU over a burst's creates on
-    this machine's cores (half of them for the first half usable)."""
-    anatomy, cores = mine["anatomy"], os.cpu_count() or 1
-    each = anatomy["daemon_start_cpu_ms"] * burst / cores / 1e3
-    return {"create_sequential.p50_ms": [("a daemon (its start %s)" % where,
-                                          anatomy["daemon_start_ms"]),
-                                         ("a create's check that a command runs (an exec)",
-                                          mine["exec_true"]["p50_ms"])],
-            "create_burst.usable_50_s": [("a daemon (its start's CPU, %d at once on %d cores)"
-                                          % (burst // 2, cores), each / 2)],
-            "create_burst.usable_100_s": [("a daemon (its start's CPU, %d at once on %d cores)"
-                                           % (burst, cores), each)]}
 
 
 def _run(argv: List[str], what: str, timeout: float = 120) -> str:
@@ -146,9 +122,6 @@ class Podman(Peer):
     def destroy(self, box) -> None:
         _run(["podman", "rm", "-f", "-t", "0", box], "podman rm")
 
-    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
-        return {"pss_kb_per_sandbox": [_daemon_pss(mine, s)]}
-
     def pids(self, box) -> List[int]:
         out = _run(["podman", "inspect", "--format", "{{.State.Pid}} {{.State.ConmonPid}}",
                     box], "podman inspect").split()
@@ -189,24 +162,6 @@ class Sandlock(Peer):
         box.kill()
         box.wait()
 
-    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
-        out = _daemon(mine, mine["create_burst"]["n"], "in our sandbox")
-        launch = _between(mine, "exec bwrap", "exec sandmand")
-        if launch is not None:
-            out["create_sequential.p50_ms"].append(
-                ("namespaces, an image's mounts, a filter (bwrap's part of our create)", launch))
-        if s["kernel"].get("cgroup_v1_move_ms"):
-            out["create_sequential.p50_ms"].append(
-                ("cgroups (the kernel's move of the launch into them, v1)",
-                 s["kernel"]["cgroup_v1_move_ms"]))
-        out["pss_kb_per_sandbox"] = [_daemon_pss(mine, s)]
-        burst, cores = mine["create_burst"]["n"], os.cpu_count() or 1
-        for key, n in (("create_burst.usable_50_s", burst // 2), ("create_burst.usable_100_s",
-                                                                  burst)):
-            out[key].append(("namespaces and mounts (their CPU, %d at once on %d cores)"
-                             % (n, cores), s["kernel"]["namespaces_cpu_ms"] * n / cores / 1e3))
-        return out
-
     def pids(self, box) -> List[int]:
         from sandman_ray.daemon.sandmand.spawn import descendants
         return [box.pid] + descendants(box.pid) if box.pid else []
@@ -236,16 +191,6 @@ class GVisorBindings(Peer):
 
     def destroy(self, box) -> None:
         box.close()
-
-    def does_without(self, mine: dict, s: dict) -> Dict[str, List[tuple]]:
-        out = _daemon(mine, mine["create_burst"]["n"], "under gVisor")
-        heap = s["ours"].get("local", {}).get("anatomy", {}).get("pss_kb_by_process", {})
-        out["pss_kb_per_sandbox"] = [
-            ("runsc's process, which our launch keeps in the foreground",
-             mine["anatomy"]["pss_kb_by_process"].get("runsc", 0))] + (
-            [("a daemon, whose heap its sentry holds (its PSS outside gVisor)",
-              heap["sandmand"])] if "sandmand" in heap else [])
-        return out
 
     def pids(self, box) -> List[int]:
         """Its runsc processes (the sandbox, whose sentry holds the guest's memory, and
@@ -344,9 +289,14 @@ def measure_peer(peer: Peer, creates: int, burst: int, execs: int) -> dict:
             times.append(time.perf_counter() - t)
         out["exec_true"] = {"p50_ms": pct(times, 0.5) * 1e3, "p99_ms": pct(times, 0.99) * 1e3,
                             "samples": execs}
-        pss = [pss_of(peer.pids(b)) for b, _ in made]
-        if any(pss):
-            out["pss_kb_per_sandbox"] = sum(pss) / len(pss)
+        by_name: Dict[str, float] = {}
+        for b, _ in made:
+            for pid in peer.pids(b):
+                name = anatomy.comm(pid)
+                by_name[name] = by_name.get(name, 0.0) + pss_of([pid]) / burst
+        if any(by_name.values()):
+            out["pss_kb_per_sandbox"] = sum(by_name.values())
+            out["pss_kb_by_process"] = by_name
         list(pool.map(lambda m: peer.destroy(m[0]), made))
     return out
 
@@ -359,27 +309,45 @@ def why_not(exc: BaseException) -> str:
     return (named[-1] if named else text.strip().splitlines()[-1])[:400]
 
 
+class _Kept:
+    """A provider whose ``shutdown`` waits for ``really_shutdown`` (bench/local.py's
+    measure shuts its provider down; ours is taken apart after it)."""
+
+    def __init__(self, provider):
+        self.provider = provider
+
+    def __getattr__(self, name):
+        return getattr(self.provider, name)
+
+    async def shutdown(self) -> None:
+        pass
+
+
 def ours(setup: str, creates: int, burst: int, execs: int) -> dict:
     """Our level ``setup`` (bench/local.py), measured the same way, then taken apart
-    (bench/stages.py): a create stage by stage (where the launch is a process of ours)
-    and an idle sandbox's memory and daemon."""
+    (bench/stages.py, bench/anatomy.py): a create moment by moment (where the launch is
+    a process of ours) and an idle sandbox's memory and daemon."""
     args = SimpleNamespace(image=None, docker_image=None, creates=creates, bursts=[1, burst],
                            execs=execs, resets=1)
     provider, spec, pid_of, teardown = SETUPS[setup](args)
 
     async def measured():
-        mine = {}
-        if setup != "docker":  # (a Podman container's launch is Podman's processes)
-            mine["create_stages"] = await stages.create_stages(
-                provider, spec, max(5, creates // 2), lambda info: info.details["pid"])
-        mine["anatomy"] = await stages.anatomy(provider, spec, burst, pid_of)
-        _, out = await measure(provider, spec, args, pid_of)  # (it shuts the provider down)
-        big = out["create_%d" % burst]
-        return dict(mine, create_sequential=out["create_sequential"],
-                    # a burst's creates all start at once: its p50 latency is when half answered
-                    create_burst={"n": burst, "usable_50_s": big["p50_ms"] / 1e3,
-                                  "usable_100_s": big["all_s"]},
-                    exec_true=out["exec_true"], pss_kb_per_sandbox=out["pss_kb_per_sandbox"])
+        try:
+            _, out = await measure(_Kept(provider), spec, args, pid_of)
+            big = out["create_%d" % burst]
+            mine = {"create_sequential": out["create_sequential"],
+                    # a burst's creates all start at once: its p50 is when half answered
+                    "create_burst": {"n": burst, "usable_50_s": big["p50_ms"] / 1e3,
+                                     "usable_100_s": big["all_s"]},
+                    "exec_true": out["exec_true"],
+                    "pss_kb_per_sandbox": out["pss_kb_per_sandbox"]}
+            if setup != "docker":  # (a Podman container's launch is Podman's processes)
+                mine["create_stages"] = await stages.create_stages(
+                    provider, spec, max(5, creates // 2), lambda info: info.details["pid"])
+            mine["anatomy"] = await anatomy.anatomy(provider, spec, burst, pid_of)
+            return mine
+        finally:
+            await provider.shutdown()
     try:
         return asyncio.run(measured())
     finally:
@@ -387,14 +355,23 @@ def ours(setup: str, creates: int, burst: int, execs: int) -> dict:
             teardown()
 
 
+def kernel_figures() -> dict:
+    """What the kernel charges for parts of a sandbox, each a figure or why not."""
+    figures = {"cgroup_v1_move_ms": anatomy.cgroup_move_ms,
+               "namespaces_cpu_ms": lambda: anatomy.namespaces_cpu_ms(busybox_rootfs()),
+               "interpreter_pss_kb": lambda: anatomy.interpreter_pss_kb(Path(CACHE) / "bundle")}
+    out: dict = {}
+    for name, measure_it in figures.items():
+        try:
+            out[name] = measure_it()
+        except Exception as exc:  # noqa: BLE001 - said in its place
+            out[name], out.setdefault("why_not", {})[name] = None, why_not(exc)
+    return out
+
+
 def peers(names: List[str], creates: int = 20, burst: int = 100, execs: int = 1000) -> dict:
     """Each peer of ``names`` and the levels of ours they stand beside."""
-    out: Dict[str, dict] = {"ours": {}, "peers": {},
-                            "kernel": {"cgroup_v1_move_ms": stages.cgroup_move_ms(),
-                                       "namespaces_cpu_ms": stages.namespaces_cpu_ms(
-                                           busybox_rootfs()),
-                                       "interpreter_pss_kb": stages.interpreter_pss_kb(
-                                           Path(CACHE) / "bundle")}}
+    out: Dict[str, dict] = {"ours": {}, "peers": {}, "kernel": kernel_figures()}
     for name in names:
         peer = PEERS[name]()
         row: dict = {"name": peer.name, "ours": peer.ours, "trade": peer.trade}
@@ -409,10 +386,13 @@ def peers(names: List[str], creates: int = 20, burst: int = 100, execs: int = 10
         out["peers"][name] = row
         if peer.ours not in out["ours"]:
             out["ours"][peer.ours] = ours(peer.ours, creates, burst, execs)
-        if "could_not_run" not in row:
-            row["does_without"] = peer.does_without(out["ours"][peer.ours], out)
+        if "could_not_run" not in row and name in peer_gaps.DOES_WITHOUT:
+            row["does_without"] = peer_gaps.DOES_WITHOUT[name](out["ours"][peer.ours], out, row)
     if "could_not_run" not in out["peers"].get("sandlock", {"could_not_run": ""}):
-        out["forks"] = peer_forks.forks(FORKS, 3, str(busybox_rootfs()))
+        try:
+            out["forks"] = peer_forks.forks(FORKS, 3, str(busybox_rootfs()))
+        except (Exception, SystemExit) as exc:  # (bench/common.wait_for gives up so)
+            out["forks"] = {"could_not_run": why_not(exc)}
     return out
 
 
@@ -429,13 +409,15 @@ def ratio(ours_: float, theirs: float) -> str:
 
 def rows(s: dict) -> List[tuple]:
     """(section, measure, value, note) rows: each peer's figure with ours beside it, and
-    where theirs is ahead, ours less what the peer does without (measured here)."""
+    where theirs is ahead, ours less what the peer does without (bench/peer_gaps.py)."""
     out, shown = [], set()
-    move = s.get("kernel", {}).get("cgroup_v1_move_ms")
-    if move is not None:
-        out.append(("peers", "the kernel: a thread's move into a cgroup v1 group and back",
-                    "%.2f ms" % move, "what a launch's first process pays to start in the "
-                    "sandbox's groups"))
+    kernel = s.get("kernel", {})
+    if kernel.get("cgroup_v1_move_ms") is not None:
+        out.append(("peers", "the kernel: a thread moved into one cgroup v1 group and back",
+                    "%.2f ms" % kernel["cgroup_v1_move_ms"], "what a launch's first process "
+                    "pays to start in the sandbox's groups"))
+    for name, why in kernel.get("why_not", {}).items():
+        out.append(("peers", "the kernel: %s not measured" % name, "-", why[:120]))
     for name, peer in s["peers"].items():
         if "could_not_run" in peer:
             out.append(("peers", "%s: could not run here" % peer["name"],
@@ -447,28 +429,28 @@ def rows(s: dict) -> List[tuple]:
             out += _ours_apart(peer["ours"], mine)
         without = peer.get("does_without", {})
         for label, group, key, unit in FIGURES + (
-                ("idle PSS per sandbox", "pss_kb_per_sandbox", None, "MB"),):
+                ("idle PSS per sandbox (fit in 8 GB)", "pss_kb_per_sandbox", None, "MB"),):
             if key is None:
                 if group not in peer:
                     continue
-                theirs, ours_ = peer[group] / 1024, mine[group] / 1024
-                figure = group
+                theirs, ours_, figure = peer[group] / 1024, mine[group] / 1024, group
+                fit = " (%d)" % (EIGHT_GB_KB // peer[group]), " (%d)" % (EIGHT_GB_KB // mine[group])
             else:
                 theirs, ours_, figure = peer[group][key], mine[group][key], group + "." + key
-            out.append(("peers", "%s: %s" % (peer["name"], label), "%.2f %s" % (theirs, unit),
-                        "ours (%s) %.2f %s: %s theirs" % (peer["ours"], ours_, unit,
-                                                          ratio(ours_, theirs))))
+                fit = ("", "")
+            out.append(("peers", "%s: %s" % (peer["name"], label),
+                        "%.2f %s%s" % (theirs, unit, fit[0]),
+                        "ours (%s) %.2f %s%s: %s theirs" % (peer["ours"], ours_, unit, fit[1],
+                                                            ratio(ours_, theirs))))
             if ours_ > theirs and without.get(figure):
-                scale = 1 / 1024 if unit == "MB" else 1
-                less = ours_ - sum(amount for _, amount in without[figure]) * scale
-                out.append(("peers", "  ours less what it does without", "%.2f %s" % (less, unit),
-                            "%s theirs; without: %s" % (ratio(less, theirs), "; ".join(
-                                "%s %.2f %s" % (what, amount * scale, unit)
-                                for what, amount in without[figure]))))
+                out.append(peer_gaps.less_row(unit, ours_, theirs, without[figure]))
         out.append(("peers", "%s: against ours" % peer["name"], "", peer["trade"]))
-    if "forks" in s and "local" in s["ours"]:
+    if "could_not_run" in s.get("forks", {}):
+        out.append(("peers", "forks: could not run here", "-",
+                    s["forks"]["could_not_run"][:120]))
+    elif "forks" in s and "local" in s["ours"]:
         out += peer_forks.rows(s["forks"], s["ours"]["local"]["anatomy"],
-                               s["kernel"]["namespaces_cpu_ms"])
+                               kernel.get("namespaces_cpu_ms"))
     return out
 
 
@@ -489,8 +471,11 @@ def _ours_apart(level: str, mine: dict) -> List[tuple]:
                      if a["agent_share_kb"] is not None else "")))
         out.append(("peers", "ours (%s): the daemon's start in a sandbox" % level,
                     "%.1f ms" % a["daemon_start_ms"],
-                    "%.1f ms of CPU; the interpreter alone %.1f ms"
-                    % (a["daemon_start_cpu_ms"], a["interpreter_start_ms"])))
+                    "%.1f ms of CPU; the interpreter alone %.1f ms%s"
+                    % (a["daemon_start_cpu_ms"], a["interpreter_start_ms"],
+                       "; then resident %.2f MB by the sandbox's /proc"
+                       % (a["daemon_kb_inside"]["VmRSS"] / 1024)
+                       if "VmRSS" in a.get("daemon_kb_inside", {}) else "")))
     return out
 
 

@@ -3,6 +3,7 @@ kind, isolation, limits, reset, and nothing left behind."""
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -158,23 +159,42 @@ def test_reset_drops_writes_and_processes(provider, images):
 
 
 
+def test_a_gvisor_launch_deletes_only_a_container_that_was_left(tmp_path):
+    """A launch runs ``runsc delete`` only where the sandbox's runsc root holds a
+    predecessor's state: never for a new sandbox, always after one that left some."""
+    from sandman_ray.providers.local.gvisor import GvisorProcess
+    sandbox = GvisorProcess.__new__(GvisorProcess)
+    sandbox.state_dir, sandbox.sandbox_id, ran = tmp_path, "s-gv", []
+    sandbox._runsc = lambda *args: ran.append(args)
+    sandbox._delete_predecessor()  # no runsc root yet
+    (tmp_path / "runsc").mkdir()
+    sandbox._delete_predecessor()  # an empty one: runsc's own delete emptied it
+    assert ran == []
+    (tmp_path / "runsc" / "s-gv.state").write_text("{}")
+    sandbox._delete_predecessor()
+    assert ran == [("delete", "--force", "s-gv")]
+
+
 def test_a_gvisor_sandbox_reset_drops_writes_and_processes(busybox_rootfs):
     """Under gVisor a reset starts the sandbox afresh: a new runsc, and nothing of the
     last lease's files or processes (its runsc state removed first, when it left any)."""
     from conftest import shared_ray
+    if shutil.which("runsc") is None:
+        pytest.fail("runsc is missing: make test installs it (apt-get install runsc)")
     shared_ray()
     gvisor = LocalProvider(state_root=STATE, cache_root=CACHE, isolation="gvisor").bind(
         "test-gv-%s" % uuid.uuid4().hex[:6])
     try:
         with Sandbox(gvisor, "dir:%s" % busybox_rootfs) as sb:
-            first = sb.info.details["pid"]
+            before = sb.info.details["pid"]
             for episode in ("1", "2"):
                 sb.client.write_file("/root/notes", episode.encode())
                 sb.client.spawn("sleep 81.5")
                 sb.client.close()
                 info = run(gvisor.reset(sb.id))
                 sb.client = DaemonClient(info.address, info.token, default_timeout=60)
-                assert info.details["pid"] != first
+                assert info.details["pid"] != before
+                before = info.details["pid"]
                 assert sb.client.exec("ls /root/notes").exit_code != 0
                 assert "81.5" not in sb.client.exec("ps").text
     finally:

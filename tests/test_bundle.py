@@ -50,6 +50,27 @@ def test_bundle_holds_every_module_of_the_daemon_package_compiled(bundle):
             for name, (is_package, _code) in pack.items()} == modules
 
 
+def test_the_bundles_datetime_is_the_c_modules_and_msgpack_runs_on_it(bundle):
+    """The bundle carries datetime as Python 3.12's is (the C module's names, without
+    3.11's definitions in Python first): msgpack, and so the daemon's wire, load with
+    it and use the C codec, and a timestamp still round-trips."""
+    import subprocess
+    meta = json.loads((bundle / "BUNDLE.json").read_text())
+    check = ("import sys, datetime, _datetime\n"
+             "assert datetime.datetime is _datetime.datetime\n"
+             "assert 'math' not in sys.modules, '3.11 datetime.py imports math'\n"
+             "import msgpack\n"
+             "from sandmand import wire\n"
+             "assert wire._msgpack is msgpack\n"
+             "t = datetime.datetime(2026, 12, 7, tzinfo=datetime.timezone.utc)\n"
+             "assert msgpack.unpackb(msgpack.packb(t, datetime=True), timestamp=3) == t\n"
+             "print('ok')\n")
+    ran = subprocess.run([str(bundle / "lib" / meta["loader"]), "--library-path",
+                          str(bundle / "lib"), str(bundle / "bin" / "python3"), "-IS", "-c",
+                          check], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert ran.stdout == "ok\n", ran.stderr
+
+
 @pytest.mark.parametrize("form", [["sandmand.pyz"], ["-m", "sandmand"]])
 def test_the_explicit_loader_forms_start_the_daemon(bundle, tmp_path, form):
     """``ld-linux --library-path lib bin/python3 -IS sandmand.pyz`` (or ``-m sandmand``)

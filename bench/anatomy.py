@@ -22,31 +22,12 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import cpu_ticks  # (bench/common.py)
-from local import burst, pss_of, serving  # (bench/local.py)
+from common import cpu_ticks, ticks_ms  # (bench/common.py)
+from local import burst, comm, parent_pid, pss_by_process, pss_of, serving  # (bench/local.py)
 
 INTERPRETER, LAUNCHER = "/.sandman/bin/python3", "/.sandman/bin/sandmand"  # in a sandbox
 DAEMON_STATUS = ("for s in /proc/[0-9]*/status; do grep -qx 'Name:.sandmand' $s && "
                  "grep '^Vm' $s; done")  # the daemon's memory, by the sandbox's own /proc
-
-
-def _ms(ticks: int) -> float:
-    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path("/proc/%d/comm" % pid).read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _parent(pid: int) -> Optional[int]:
-    try:
-        stat = Path("/proc/%d/stat" % pid).read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 async def _started(client, n: int = 20) -> Dict[str, tuple]:
@@ -65,7 +46,7 @@ async def _started(client, n: int = 20) -> Dict[str, tuple]:
             busy[name] += cpu_ticks() - ticks
             if ran.exit_code != code:
                 raise RuntimeError("%s in the sandbox: %r" % (name, ran))
-    return {name: (statistics.median(times[name]) * 1e3, _ms(busy[name]) / n) for name in runs}
+    return {name: (statistics.median(times[name]) * 1e3, ticks_ms(busy[name]) / n) for name in runs}
 
 
 async def anatomy(provider, spec, n: int, pid_of) -> dict:
@@ -78,20 +59,13 @@ async def anatomy(provider, spec, n: int, pid_of) -> dict:
     cores = os.cpu_count() or 1
     ticks, began = cpu_ticks(), time.perf_counter()
     results, _ = await burst(provider, spec, n)
-    busy = _ms(cpu_ticks() - ticks) / 1e3 / (cores * (time.perf_counter() - began))
+    busy = ticks_ms(cpu_ticks() - ticks) / 1e3 / (cores * (time.perf_counter() - began))
     try:
         await asyncio.sleep(1.0)  # start-up settled
-        by_name: Dict[str, int] = {}
-        agents = set()
-        for _, info, _ in results:
-            for each in serving(pid_of(info)):
-                name = comm(each)
-                by_name[name] = by_name.get(name, 0) + pss_of([each])
-            for pid in pid_of(info):
-                parent = _parent(pid)
-                if parent is not None and comm(parent).startswith("ray::"):
-                    agents.add(parent)
-        out = {"pss_kb_by_process": {name: kb / n for name, kb in sorted(by_name.items())},
+        agents = {parent for _, info, _ in results for parent in map(parent_pid, pid_of(info))
+                  if parent is not None and comm(parent).startswith("ray::")}
+        out = {"pss_kb_by_process": pss_by_process([serving(pid_of(info))
+                                                    for _, info, _ in results]),
                "agent_share_kb": sum(pss_of([a]) for a in agents) / n if agents else None,
                "burst_busy_share": busy}
         from sandman_ray import AsyncDaemonClient
@@ -158,7 +132,7 @@ def namespaces_cpu_ms(rootfs: Path, reps: int = 50) -> float:
             ticks = cpu_ticks()
             subprocess.run(argv, check=True)
             busy[name] += cpu_ticks() - ticks
-    return _ms(busy["bwrap"] - busy["plain"]) / reps
+    return ticks_ms(busy["bwrap"] - busy["plain"]) / reps
 
 
 def interpreter_pss_kb(bundle: Path, n: int = 20) -> float:

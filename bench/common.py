@@ -34,6 +34,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def ticks_ms(ticks: int) -> float:
+    """Clock ticks (of cpu_ticks, or a process's) in ms."""
+    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_ticks() -> int:
     """The machine's busy CPU time so far, in clock ticks."""
     with open("/proc/stat") as fh:

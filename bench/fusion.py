@@ -32,7 +32,8 @@ from typing import Callable, Dict, Iterator, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import CACHE, cpu_ticks, pct, process_cpu_s, provider, run_alone  # noqa: E402
+from common import (  # noqa: E402
+    CACHE, cpu_ticks, pct, process_cpu_s, provider, run_alone, ticks_ms)
 
 PROGRAM = 'print("hello")'
 AT_ONCE = 64
@@ -124,7 +125,7 @@ def at_once(call: Callable[[], None], n: int) -> dict:
         list(pool.map(lambda _: call(), range(n)))
         took = time.perf_counter() - started
         return {"per_s": n / took,
-                "cpu_ms": (cpu_ticks() - ticks) * 1e3 / os.sysconf("SC_CLK_TCK") / n,
+                "cpu_ms": ticks_ms(cpu_ticks() - ticks) / n,
                 "caller_cpu_ms": (process_cpu_s(os.getpid()) - own) * 1e3 / n}
 
 
@@ -133,7 +134,7 @@ def busy_ms_each(call: Callable[[], object], n: int) -> float:
     before = cpu_ticks()
     call_n = [call() for _ in range(n)]
     del call_n
-    return (cpu_ticks() - before) * 1e3 / os.sysconf("SC_CLK_TCK") / n
+    return ticks_ms(cpu_ticks() - before) / n
 
 
 def reset_floor(n: int = 100) -> dict:
@@ -156,13 +157,12 @@ def reset_floor(n: int = 100) -> dict:
             after, each_after = cpu_ticks(), process_ticks()
         finally:
             await prov.delete(sandbox_id)
-        per = 1e3 / os.sysconf("SC_CLK_TCK") / n
         by_name: dict = {}
         for pid, (name, ticks) in each_after.items():  # (the children they reaped count)
             if pid in each and pid != "1":  # (the host's init reaps whatever orphans)
                 by_name[name] = by_name.get(name, 0) + ticks - each[pid][1]
         top = sorted(by_name.items(), key=lambda kv: -kv[1])[:3]
-        return (after - before) * per, {name: ticks * per for name, ticks in top}
+        return ticks_ms(after - before) / n, {name: ticks_ms(ticks) / n for name, ticks in top}
     reset_ms, by_process = asyncio.run(measure())
     program_ms = busy_ms_each(on_host, n)
     return {"reset_cpu_ms": reset_ms, "program_cpu_ms": program_ms,

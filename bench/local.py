@@ -23,6 +23,7 @@ import platform
 import time
 import uuid
 from pathlib import Path
+from typing import Dict, Optional
 
 import ray
 
@@ -50,6 +51,33 @@ def pct(values, q):
 def pss_kb(pid: int) -> int:
     """PSS of ``pid`` and all its descendants, in KiB."""
     return pss_of([pid] + descendants(pid))
+
+
+def comm(pid: int) -> str:
+    """The name of process ``pid`` ("?" once it is gone)."""
+    try:
+        return Path("/proc/%d/comm" % pid).read_text().strip()
+    except OSError:
+        return "?"
+
+
+def parent_pid(pid: int) -> Optional[int]:
+    """The parent of process ``pid`` (None once it is gone)."""
+    try:
+        stat = Path("/proc/%d/stat" % pid).read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def pss_by_process(sandboxes) -> Dict[str, float]:
+    """The PSS per sandbox (KiB) of each kind of process, by name, over ``sandboxes``
+    (each the pids that serve one)."""
+    total: Dict[str, float] = {}
+    for pids in sandboxes:
+        for pid in pids:
+            total[comm(pid)] = total.get(comm(pid), 0.0) + pss_of([pid])
+    return {name: kb / len(sandboxes) for name, kb in sorted(total.items())}
 
 
 def serving(pids) -> set:
@@ -89,8 +117,9 @@ async def burst(provider, spec, n):
     return results, wall
 
 
-async def measure(provider, spec, args, pid_of):
-    """Rows ``{operation: (p50 s, p99 s, all-done s or None)}`` and figures for JSON."""
+async def measure(provider, spec, args, pid_of, shut_down: bool = True):
+    """Rows ``{operation: (p50 s, p99 s, all-done s or None)}`` and figures for JSON;
+    then ``provider`` is shut down, unless ``shut_down`` is False (its caller goes on)."""
     rows, out = {}, {}
     await burst(provider, spec, 1)  # warm: agent, bundle, image cache
     for sid in [i.sandbox_id for i in await provider.list({"bench": "local"})]:
@@ -144,7 +173,8 @@ async def measure(provider, spec, args, pid_of):
         if n == max(args.bursts):
             rows["delete"] = (pct(deletes, 0.5), pct(deletes, 0.99), None)
             out["delete"] = {"p50_ms": pct(deletes, 0.5) * 1e3}
-    await provider.shutdown()
+    if shut_down:
+        await provider.shutdown()
     return rows, out
 
 
@@ -181,10 +211,8 @@ def docker_setup(args):
         state = engine.api.inspect_container(info.details["container"])["State"]
         conmon = state.get("ConmonPid")
         if not conmon:  # (Podman's Docker-compatible API leaves it out: its parent)
-            with open("/proc/%d/stat" % state["Pid"]) as fh:
-                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
-            with open("/proc/%d/comm" % parent) as fh:
-                conmon = parent if fh.read().strip() == "conmon" else None
+            parent = parent_pid(state["Pid"])
+            conmon = parent if parent is not None and comm(parent) == "conmon" else None
         return [state["Pid"]] + ([conmon] if conmon else [])
     return provider, SandboxSpec(image=image), pids, service.stop
 

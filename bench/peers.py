@@ -39,7 +39,8 @@ from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local import SETUPS, busybox_rootfs, measure, pct, pss_of  # noqa: E402  (bench/local.py)
+from local import (  # noqa: E402  (bench/local.py)
+    SETUPS, busybox_rootfs, measure, pct, pss_by_process)
 import anatomy  # noqa: E402  (bench/anatomy.py)
 import peer_forks  # noqa: E402  (bench/peer_forks.py)
 import peer_gaps  # noqa: E402  (bench/peer_gaps.py)
@@ -289,11 +290,7 @@ def measure_peer(peer: Peer, creates: int, burst: int, execs: int) -> dict:
             times.append(time.perf_counter() - t)
         out["exec_true"] = {"p50_ms": pct(times, 0.5) * 1e3, "p99_ms": pct(times, 0.99) * 1e3,
                             "samples": execs}
-        by_name: Dict[str, float] = {}
-        for b, _ in made:
-            for pid in peer.pids(b):
-                name = anatomy.comm(pid)
-                by_name[name] = by_name.get(name, 0.0) + pss_of([pid]) / burst
+        by_name = pss_by_process([peer.pids(b) for b, _ in made])
         if any(by_name.values()):
             out["pss_kb_per_sandbox"] = sum(by_name.values())
             out["pss_kb_by_process"] = by_name
@@ -309,20 +306,6 @@ def why_not(exc: BaseException) -> str:
     return (named[-1] if named else text.strip().splitlines()[-1])[:400]
 
 
-class _Kept:
-    """A provider whose ``shutdown`` waits for ``really_shutdown`` (bench/local.py's
-    measure shuts its provider down; ours is taken apart after it)."""
-
-    def __init__(self, provider):
-        self.provider = provider
-
-    def __getattr__(self, name):
-        return getattr(self.provider, name)
-
-    async def shutdown(self) -> None:
-        pass
-
-
 def ours(setup: str, creates: int, burst: int, execs: int) -> dict:
     """Our level ``setup`` (bench/local.py), measured the same way, then taken apart
     (bench/stages.py, bench/anatomy.py): a create moment by moment (where the launch is
@@ -333,7 +316,7 @@ def ours(setup: str, creates: int, burst: int, execs: int) -> dict:
 
     async def measured():
         try:
-            _, out = await measure(_Kept(provider), spec, args, pid_of)
+            _, out = await measure(provider, spec, args, pid_of, shut_down=False)
             big = out["create_%d" % burst]
             mine = {"create_sequential": out["create_sequential"],
                     # a burst's creates all start at once: its p50 is when half answered

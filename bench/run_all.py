@@ -78,7 +78,6 @@ from typing import Dict, List
 
 import ray
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # a module per section (bench/<name>.py)
 import burst  # noqa: E402

@@ -49,15 +49,14 @@ DEFAULT_MOUNT = "/.sandman"
 EXCLUDED_MODULES = {"zlib", "_bz2", "_lzma", "bz2", "lzma", "gzip", "_hashlib", "_ssl",
                     "ssl", "hashlib", "ctypes", "_blake2", "_sha1", "_sha256",
                     "_sha3", "_sha512", "_md5", "_uuid", "readline", "_curses"}
-# Listing the modules the daemon imports, run by the interpreter being bundled: every
-# module of the daemon package, and what each imports.
 # Standard modules the bundle carries in another form: arcname -> (the module it needs,
 # its source). Python 3.11's datetime.py defines the whole module in Python before it
 # takes the C module's names instead (~2 ms of every daemon's start, for msgpack's
 # timestamps, which the protocol never sends); from 3.12 on it is this.
 SHIMS = {"datetime.pyc": ("_datetime", "from _datetime import *\n"
                                       "from _datetime import __doc__\n")}
-
+# Listing the modules the daemon imports, run by the interpreter being bundled: every
+# module of the daemon package, and what each imports.
 _SCAN = r"""
 import importlib, json, os, pkgutil, sys
 sys.path[:0] = sys.argv[1:]

@@ -39,6 +39,13 @@ def post(url: str, body, raw: bytes = None):
         return error.code, json.loads(error.read())
 
 
+def pool_leases(pool: str) -> int:
+    """How many leases ``pool`` has lent so far."""
+    import ray
+    import sandman_ray as sandman
+    return ray.get(sandman.get_pool(pool).status.remote())["stats"]["leases"]
+
+
 def run(fusion, **body):
     status, answer = post(fusion["endpoint"] + "/run_code", body)
     assert status == 200, answer
@@ -95,6 +102,30 @@ def test_a_program_never_sees_the_last_ones_files(fusion):
         answer = run(fusion, language="bash",
                      code="ls /tmp/fusion/left-behind 2>/dev/null; touch /tmp/fusion/left-behind")
         assert answer["status"] == "Success" and answer["run_result"]["stdout"] == ""
+
+
+def test_a_tenants_kept_sandboxes_serve_program_after_program_renewed(fusion):
+    """The service keeps the sandboxes of a tenant's requests and has its node's agent
+    renew each one after its program (service/fusion_leases.py): a sandbox serves
+    request after request, and no program finds a file or a process of any before it.
+    The tenant never sees those leases, and once idle they go back to the pool."""
+    from sandman_ray.remote import connect
+    code = ("hostname; ls /tmp/fusion/left /root/left 2>/dev/null; grep -lx sleep "
+            "/proc/*/comm; echo x > /tmp/fusion/left; echo x > /root/left; "
+            "setsid sleep 1000 > /dev/null 2>&1 &")
+    seen, lent = [], pool_leases(fusion["pool"])
+    for _ in range(8):
+        name, *rest = run(fusion, language="bash", code=code)["run_result"]["stdout"].split("\n")
+        assert rest == [""], rest  # nothing of the programs before
+        seen.append(name)
+    assert len(set(seen)) < len(seen), seen  # sandboxes that served more than one
+    assert pool_leases(fusion["pool"]) - lent < len(seen)  # not each lent by the pool
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(run, fusion, language="bash", code="sleep 3; echo done")
+        wait_until(lambda: leased(fusion["pool"]) >= 1, timeout=30)
+        assert connect(fusion["url"], fusion["alice"]).leases() == []
+        assert slow.result()["run_result"]["stdout"] == "done\n"
+    wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)
 
 
 def test_refusals_have_sandbox_fusions_shape(fusion):
@@ -177,4 +208,17 @@ def test_a_request_that_finds_no_room_within_its_timeouts_answers_504(fusion):
         assert "no sandbox was free" in answer["detail"] and "try again" in answer["detail"]
         status, done = slow.result()
     assert status == 200 and done["run_result"]["stdout"] == "done\n", done
+    wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)
+
+
+def test_a_tenants_own_acquire_takes_the_room_of_its_kept_sandbox(fusion):
+    """carol may hold one sandbox. The one the service keeps for her requests (idle, or
+    still being renewed just after her program's answer) gives way to her own acquire
+    rather than refuse it for her limit."""
+    from sandman_ray.remote import connect
+    endpoint = "%s/fusion/%s/run_code" % (fusion["url"], fusion["carol"])
+    status, answer = post(endpoint, {"code": "print(1)", "language": "python"})
+    assert status == 200 and answer["run_result"]["stdout"] == "1\n", answer
+    with connect(fusion["url"], fusion["carol"]).sandbox("builtin:code", timeout=60) as sb:
+        assert sb.exec("echo mine").stdout == b"mine\n"
     wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)

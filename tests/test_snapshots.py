@@ -296,6 +296,46 @@ def test_the_agent_s_control_socket_pauses_for_the_token_alone_and_refuses_garba
         assert sb.exec("echo still").stdout == b"still\n"
 
 
+def test_a_holder_renews_at_its_node_s_agent_for_the_lease_s_token_alone(pool):
+    """A holder's renew (sandman_ray.control: the service's kept SandboxFusion leases
+    ask it) is the pool's reset without the lease ending: the sandbox keeps none of
+    its files or processes and takes the new token alone. Any other token renews
+    nothing; and a lease that ended, whose sandbox the pool resets and lends again,
+    never renews the next holder's sandbox nor learns its token, even when its renew
+    arrives during the pool's reset."""
+    from sandman_ray import control
+    from sandman_ray.client import DaemonClient
+    from sandman_ray.errors import AuthError
+    renew = lambda sid, token: asyncio.run(control.renew_async(path, sid, token))  # noqa
+    with sandman.sandbox(pool=pool, timeout=120) as sb:
+        agent = ray.get_actor(sb._controller, namespace="sandman")
+        path = ray.get(agent.control_address.remote())
+        token, address = sb._direct.token, sb._direct.address
+        sb.exec(["sh", "-c", "echo left > /root/left; setsid sleep 1000 & echo $! > /pid"])
+        for wrong in ("", "0" * len(token), token[:-1], token + "0"):
+            assert renew(sb.sandbox, wrong) is None
+        assert ray.get(agent.renew_held.remote("no-such-sandbox", token)) is False
+        assert sb.exec("cat /root/left").stdout == b"left\n"  # nothing was done
+        renewed = renew(sb.sandbox, token)
+        assert renewed is not None and renewed["token"] != token, renewed
+        with DaemonClient(renewed["address"], renewed["token"]) as client:
+            left = client.exec(["sh", "-c", "ls /root/left /pid; grep -lx sleep /proc/*/comm"])
+            assert left.exit_code != 0 and left.stdout == b"", left
+        with pytest.raises(AuthError):
+            DaemonClient(address, token).exec("true")
+        assert renew(sb.sandbox, token) is None  # the old token renews no more
+        # a reset as the pool's at a lease's end, and a renew with that lease's token
+        # sent after it: the renew waits for the reset and finds the token gone
+        token = renewed["token"]
+        info, late = ray.get([agent.reset.remote(sb.sandbox),
+                              agent.renew_held.remote(sb.sandbox, token)])
+        assert late is False and info.token != token
+    with sandman.sandbox(pool=pool, timeout=120) as again:  # the same sandbox, lent again
+        assert again.sandbox == sb.sandbox
+        assert renew(again.sandbox, token) is None
+        assert again.exec("echo mine").stdout == b"mine\n"
+
+
 def test_pauses_with_an_ended_lease_s_token_during_its_reset_never_freeze_the_next(pool):
     """A holder keeps pausing through the control socket with its token while its
     release resets the sandbox: from the reset's first step on the token is refused,

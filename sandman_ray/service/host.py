@@ -18,23 +18,23 @@ reach only this address.
 """
 
 import asyncio
-import collections
 import hashlib
 import hmac
 import os
 import secrets
 import time
-from typing import Deque, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import ray
 
 from sandman_ray import touches
-from sandman_ray.errors import ProviderError, SandboxLost, SandmanError
+from sandman_ray.errors import ProviderError
 from sandman_ray.host import HOST_CALLS, _HandleHost
 from sandman_ray.names import HOST_PREFIX, NAMESPACE
 from sandman_ray.pool.pacing import AdaptiveTokenBucket
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.service.answers import Refusal
+from sandman_ray.service.fusion_leases import FusionLeases
 from sandman_ray.service.gateways import (onward_context, serve_at_normal_priority,
                                           server_context, start_gateway, stop_gateways)
 from sandman_ray.service.relay import Gateway, Held, Refused, admitting
@@ -90,10 +90,7 @@ class ServiceHost(_HandleHost):
         self.per_tenant: Dict[str, int] = {}  # tenant -> leases served (not _HandleHost.held)
         self.waiting: Dict[str, int] = {}  # tenant -> acquires under way
         self.underway: Dict[str, asyncio.Future] = {}  # lease id -> its acquire
-        # tenant -> its /run_code requests waiting for room, oldest first; a lease of it
-        # that ends wakes the oldest alone (a wake of all let newer requests take the
-        # room in turn and starve the oldest past their timeouts)
-        self.queued: Dict[str, Deque[asyncio.Event]] = {}
+        self.fusion = FusionLeases(self)  # the leases kept for /run_code
         self.buckets: Dict[str, AdaptiveTokenBucket] = {}  # tenant -> its creates per second
         self.failures: Dict[str, list] = {}  # address -> times of its failed keys
         self.ended_for: Dict[str, str] = {}  # ended leases -> their tenant (410, not 404)
@@ -122,7 +119,9 @@ class ServiceHost(_HandleHost):
         giving them back, started again under its name): served again, as they were.
         Their keepalives kept them meanwhile."""
         for lease in await self._tell_pool(self.pool, "held_by", self.name):
-            if lease.client.startswith(CLIENT_PREFIX) and lease.keepalive_s:
+            if FusionLeases.holds(lease.lease_id):  # kept for requests that are over
+                await self._tell_pool(self.pool, "release", lease.lease_id, self.name)
+            elif lease.client.startswith(CLIENT_PREFIX) and lease.keepalive_s:
                 await self._gateway_of(lease.node_id)
                 self._serve(lease.client[len(CLIENT_PREFIX):], lease.lease_id, lease)
                 await self.take(lease)
@@ -132,6 +131,7 @@ class ServiceHost(_HandleHost):
         self.data.close()
         self.e2b.close()
         await self.runner.cleanup()
+        await self.fusion.close()
         ids = list(self.served)
         for lease_id in ids:
             await self.release(lease_id, self.pool)
@@ -179,9 +179,22 @@ class ServiceHost(_HandleHost):
             self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
         self.served[lease_id] = (tenant, lease)
 
+    def renewed(self, lease_id: str, lease) -> None:
+        """``lease`` (``lease_id``, served) goes on with a new token: its sandbox was
+        renewed for its holder (service/fusion_leases.py)."""
+        tenant = self.served[lease_id][0]
+        self.served[lease_id] = (tenant, lease)
+        if lease_id in self.held:  # what the pool asks of a host after its restart
+            self.held[lease_id].lease = lease
+
+    def _tenants(self, lease_id: str):
+        """What the service serves a tenant under ``lease_id``: (tenant, lease), or None
+        (none, or a lease the service keeps for itself)."""
+        return None if FusionLeases.holds(lease_id) else self.served.get(lease_id)
+
     # ---- what the relay asks
     def _find(self, lease_id: str) -> Optional[Held]:
-        served = self.served.get(lease_id)
+        served = self._tenants(lease_id)
         if served is None:
             return None
         tenant, lease = served
@@ -196,7 +209,7 @@ class ServiceHost(_HandleHost):
         """A node's gateway asks about an upgrade for ``lease_id`` with ``key``: the
         lease's [tenant, daemon address, token] when the key is live and its tenant
         holds the lease on that node, else ["refused", status, type, message]."""
-        served = self.served.get(lease_id)
+        served = self._tenants(lease_id)
         try:
             if served is not None and served[1].node_id != node_id:
                 served = None  # a gateway learns only of its own node's leases
@@ -214,16 +227,17 @@ class ServiceHost(_HandleHost):
     # ---- the control plane's core (service/http.py)
     async def acquire(self, tenant: str, spec: SandboxSpec, timeout_s: float,
                       keepalive_s: float, request_id: Optional[str],
-                      node: Optional[str] = None) -> dict:
+                      node: Optional[str] = None, prefix: str = "L-") -> dict:
         """A lease for ``tenant``, on ``node`` (a node id) or wherever the pool finds
         one (None; on this node alone when the service has no TLS and was not told
-        ``insecure``: another node's gateway would carry keys in the clear)."""
+        ``insecure``: another node's gateway would carry keys in the clear).
+        ``prefix``: its id's (fusion_leases.KEPT_PREFIX: one the service keeps)."""
         if node is not None and node != self.node and not self.spread:
             raise Refusal(400, "ValidationError", "a lease on another node needs the "
                           "service's TLS (--tls-cert/--tls-key) or --insecure")
         self._allowed(tenant, spec)
         if request_id is None:
-            lease_id = "L-" + secrets.token_hex(16)
+            lease_id = prefix + secrets.token_hex(16)
         else:  # the same request id of the same tenant: the same lease, never a second
             lease_id = "L-" + hmac.new(self.secret, ("%s\0%s" % (tenant, request_id)).encode(),
                                        hashlib.sha256).hexdigest()[:32]
@@ -235,6 +249,9 @@ class ServiceHost(_HandleHost):
         limits = self.keys.tenant(tenant) or {}
         held = self.per_tenant.get(tenant, 0)
         most = limits.get("max_sandboxes")
+        while most is not None and held + self.waiting.get(tenant, 0) >= most and \
+                await self.fusion.make_room(tenant):  # an idle kept lease's room
+            held = self.per_tenant.get(tenant, 0)
         if most is not None and held + self.waiting.get(tenant, 0) >= most:
             raise Refusal(429, "TenantLimit", "tenant %s holds or waits for %d sandboxes, its "
                           "most" % (tenant, most), retry_after=1.0)
@@ -297,7 +314,7 @@ class ServiceHost(_HandleHost):
                 "connect": "/v1/leases/%s/connect" % lease_id}
 
     def _mine(self, tenant: str, lease_id: str):
-        served = self.served.get(lease_id)
+        served = self._tenants(lease_id)
         if served is None or served[0] != tenant:
             reason = self.ended.get(lease_id)
             if reason is not None and self.ended_for.get(lease_id) == tenant:
@@ -306,7 +323,8 @@ class ServiceHost(_HandleHost):
         return served[1]
 
     def leases_of(self, tenant: str) -> list:
-        return [self._described(i, lease) for i, (t, lease) in self.served.items() if t == tenant]
+        return [self._described(i, lease) for i, (t, lease) in self.served.items()
+                if t == tenant and not FusionLeases.holds(i)]
 
     def lease_of(self, tenant: str, lease_id: str) -> dict:
         return self._described(lease_id, self._mine(tenant, lease_id))
@@ -324,9 +342,9 @@ class ServiceHost(_HandleHost):
     async def keep_many(self, tenant: str, lease_ids: list) -> dict:
         """Keep the tenant's leases ``lease_ids`` alive; those that ended (or were
         never its) are named."""
-        mine = [i for i in lease_ids if self.served.get(i, ("",))[0] == tenant]
+        mine = [i for i in lease_ids if (self._tenants(i) or ("",))[0] == tenant]
         kept = await self._tell_pool(self.pool, "keep_many", [(i, self.name) for i in mine])
-        ended = [i for i in lease_ids if self.served.get(i, ("",))[0] != tenant]
+        ended = [i for i in lease_ids if (self._tenants(i) or ("",))[0] != tenant]
         return {"kept": kept, "ended": ended}
 
     async def pause(self, tenant: str, lease_id: str, reclaim: bool) -> None:
@@ -379,60 +397,11 @@ class ServiceHost(_HandleHost):
 
     async def run_code(self, tenant: str, request) -> dict:
         """SandboxFusion's ``/run_code`` (service/fusion.py): ``request`` run in a
-        sandbox of the fusion image on this node, lent for it alone (a tenant at its
-        limit waits for room rather than be refused, as long as the request's timeouts
-        together; then 504, which SandboxFusion's clients retry), and given back."""
-        from sandman_ray.client.aio import AsyncDaemonClient
-        from sandman_ray.service import fusion
-        spec = SandboxSpec(image=self.fusion_image)
-        budget = request.compile_timeout + request.run_timeout
-        deadline = time.monotonic() + budget
-        queue = self.queued.setdefault(tenant, collections.deque())
-        ticket: Optional[asyncio.Event] = None  # its place in line while it waits
-        ask = not queue  # (behind the requests that wait already, if any)
-        try:
-            while True:
-                message = "older requests of this tenant wait for room"
-                if ask:
-                    try:
-                        lease = await self.acquire(tenant, spec,
-                                                   max(1.0, deadline - time.monotonic()),
-                                                   budget + 60.0, None, self.node)
-                        break
-                    except Refusal as no:  # at its limit: asked again in turn
-                        if no.status != 429:
-                            raise
-                        message = no.message
-                left = deadline - time.monotonic()
-                if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
-                    raise Refusal(504, "timeout", "no sandbox was free for this request "
-                                  "within its compile and run timeouts (%.1f s): %s; try again"
-                                  % (budget, message)) from None
-                if ticket is None or ticket not in queue:  # woken, it keeps the front
-                    woken, ticket = ticket is not None, asyncio.Event()
-                    (queue.appendleft if woken else queue.append)(ticket)
-                try:  # woken (taken off the line) when a lease of the tenant ends
-                    await asyncio.wait_for(ticket.wait(), min(left, 1.0))
-                    ask = True
-                except asyncio.TimeoutError:  # (once a second the first in line asks:
-                    ask = queue[0] is ticket  # a limit may be raised meanwhile)
-        finally:
-            if ticket is not None and ticket in queue:
-                queue.remove(ticket)
-        lease_id = lease["lease_id"]
-        try:
-            if lease_id not in self.served:
-                raise SandboxLost("its sandbox was reclaimed before the program ran")
-            held = self.served[lease_id][1]
-            client = await AsyncDaemonClient.connect(held.address, held.token)
-            try:
-                return await fusion.run(client, request, self.fusion_carried)
-            finally:
-                client.close()
-        except SandmanError as exc:
-            return fusion.answer("SandboxError", "%s: %s" % (type(exc).__name__, exc))
-        finally:
-            await self.release(lease_id, self.pool)
+        sandbox of the fusion image on this node, lent for it alone and renewed before
+        another program runs there (service/fusion_leases.py; a tenant at its limit
+        waits for room rather than be refused, as long as the request's timeouts
+        together; then 504, which SandboxFusion's clients retry)."""
+        return await self.fusion.run(tenant, self.fusion_image, request)
 
     async def failed_key(self, address: Optional[str]) -> None:
         """A request without a valid key from ``address``: after a few a minute, each
@@ -457,9 +426,7 @@ class ServiceHost(_HandleHost):
             self.ended_for[lease_id] = served[0]
             self.gateway.cut(lease_id)
             self.e2b.ended(lease_id)
-            waiting = self.queued.get(served[0])
-            if waiting:  # the tenant's oldest /run_code request waiting asks for the room
-                waiting.popleft().set()
+            self.fusion.ended(served[0], lease_id)  # (its oldest request waiting: room)
             if served[1].node_id in self.gateways:
                 self.gateways[served[1].node_id][0].cut.remote(lease_id)
         return super()._take(lease_id, reason)

@@ -11,7 +11,7 @@ import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import ray
 
@@ -308,17 +308,25 @@ class NodeAgent(AgentSnapshots):
         if self.ranges is not None:
             self.ranges.give_back(sandbox.sandbox_id, sandbox.emptied)
 
-    async def reset(self, sandbox_id: str) -> SandboxInfo:
+    async def reset(self, sandbox_id: str, token: Optional[str] = None
+                    ) -> Optional[SandboxInfo]:
         """The sandbox as new, with a new token: renewed in place where it can be
         (providers/local/renew.py: its processes killed, a fresh writable layer, the
         daemon's state cleared), else its processes killed (its writable layer goes
-        with them) and started again on the same image; answer when it answers."""
+        with them) and started again on the same image; answer when it answers. With
+        ``token`` (a holder's renew), only while the sandbox takes it, checked once every
+        reset under way has ended: None when it does not (a reset by the pool that came
+        first gave the sandbox a token the old holder never sees)."""
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
+            if token is not None:
+                return None
             raise fatal("sandbox %s does not exist on node %s" % (sandbox_id, self.node_id))
         async with self._lock(sandbox_id):  # after a snapshot or pause under way
             while sandbox_id in self.resets:  # and after a reset under way: one at a time
                 await asyncio.wait([self.resets[sandbox_id]])
+            if token is not None and not self._takes(sandbox_id, token):
+                return None
             if self.sandboxes.get(sandbox_id) is not sandbox:  # deleted meanwhile
                 raise fatal("sandbox %s was deleted on node %s before its reset began"
                             % (sandbox_id, self.node_id))
@@ -434,9 +442,16 @@ class NodeAgent(AgentSnapshots):
             return False
         return await self.resume(sandbox_id, token)
 
+    async def renew_held(self, sandbox_id: str, token: str) -> Union[bool, Dict[str, str]]:
+        """``reset`` for the holder of the sandbox's lease, who shows its token and keeps
+        the lease: the sandbox's new token and address, or False for any other token."""
+        info = await self.reset(sandbox_id, token)
+        return False if info is None else {"token": info.token, "address": info.address}
+
     async def control_address(self) -> Optional[str]:
-        """The unix socket where holders on this node pause and resume their sandboxes
-        (sandman_ray.control: ``pause_held`` and ``resume_held`` without a Ray call),
+        """The unix socket where holders on this node pause, resume and renew their
+        sandboxes (sandman_ray.control: ``pause_held``, ``resume_held`` and
+        ``renew_held`` without a Ray call),
         served from the first ask on; None where its path would be too long."""
         from sandman_ray import control
         path = str(self.state / "control.sock")
@@ -445,9 +460,11 @@ class NodeAgent(AgentSnapshots):
                 self.control = await control.serve(path, self._controlled) or False
         return path if self.control and not self.closed else None
 
-    async def _controlled(self, op: str, sandbox_id: str, token: str, reclaim: bool) -> bool:
+    async def _controlled(self, op: str, sandbox_id: str, token: str, reclaim: bool):
         if op == "pause":
             return await self.pause_held(sandbox_id, token, reclaim)
+        if op == "renew":
+            return await self.renew_held(sandbox_id, token)
         return await self.resume_held(sandbox_id, token)
 
     def _takes(self, sandbox_id: str, token: str) -> bool:

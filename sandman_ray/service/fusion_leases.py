@@ -1,0 +1,316 @@
+"""The sandboxes the service keeps for SandboxFusion's requests (service/fusion.py).
+
+Each ``/run_code`` request runs in a sandbox lent for it alone, and no program runs
+where another ran before the sandbox was reset. Taking a lease from the pool for each
+request and giving it back costs a round of Ray calls in the service, the pool and the
+node's agent (the lease, its offer, the release, the reset the pool orders), more CPU
+than the program's own start. So the service keeps the leases it took for a tenant's
+requests: once a program is done and its answer sent, the node's agent renews the
+sandbox in place, asked on its control socket with the lease's token
+(sandman_ray.control: every process killed, a fresh writable layer, a new token: what
+the pool's reset does), and the sandbox serves the tenant's next request, the oldest
+waiting for room first. A lease no request used for IDLE_S goes back to the pool, as
+does one whose renew fails or whose agent has no control socket (the pool then resets
+or deletes its sandbox).
+
+Kept leases count in their tenant's limits (an acquire of the tenant's own that finds
+it at its limit takes an idle one's room), under lease ids of their own (KEPT_PREFIX):
+they are the service's, and no tenant lists, reaches or keeps them.
+"""
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Deque, Dict, List, Optional, Set
+
+from sandman_ray import control, touches
+from sandman_ray.errors import ProtocolError, ProviderError, SandboxLost, SandmanError
+from sandman_ray.lookup import forget_named, get_named
+from sandman_ray.service.answers import Refusal
+from sandman_ray.spec import SandboxSpec
+
+KEPT_PREFIX = "F-"  # the lease ids of kept leases
+IDLE_S = 2.0  # a kept lease no request used for this long goes back to the pool
+KEEPALIVE_S = 60.0  # a kept lease's keepalive: it is touched while a request uses it
+
+
+class FusionLeases:
+    """The kept leases of one ServiceHost (``host``), per tenant."""
+
+    def __init__(self, host):
+        self.host = host
+        self.kept: Dict[str, str] = {}  # lease id -> its tenant, busy or idle
+        self.idle: Dict[str, List[str]] = {}  # tenant -> its idle leases, last used last
+        self.idle_at: Dict[str, float] = {}  # idle lease id -> when it was last used
+        self.busy: Set[str] = set()
+        # tenant -> its requests waiting for a sandbox, oldest first: each a future
+        # that a renewed kept lease (its id) resolves
+        self.queued: Dict[str, Deque[asyncio.Future]] = {}
+        # tenant -> its requests at its limit, oldest first: each a future that a lease
+        # of the tenant that ended resolves (the oldest alone: a wake of all let newer
+        # requests take the room in turn and starve the oldest past their timeouts)
+        self.limited: Dict[str, Deque[asyncio.Future]] = {}
+        self.paths: Dict[str, Optional[str]] = {}  # controller -> its control socket
+        self.renewing: Dict[asyncio.Future, str] = {}  # renews under way -> their tenant
+        self.sweeper: Optional[asyncio.Task] = None
+        self.closed = False
+
+    @staticmethod
+    def holds(lease_id: str) -> bool:
+        """Whether ``lease_id`` is one of the service's kept leases."""
+        return lease_id.startswith(KEPT_PREFIX)
+
+    async def run(self, tenant: str, image: str, request) -> dict:
+        """SandboxFusion's answer to ``request`` (fusion.Request), run in a kept sandbox
+        of ``image`` for ``tenant``; Refusal(504) when none is free within the
+        request's compile and run timeouts together."""
+        from sandman_ray.client.aio import AsyncDaemonClient
+        from sandman_ray.service import fusion
+        lease_id = await self._take(tenant, SandboxSpec(image=image),
+                                    request.compile_timeout + request.run_timeout)
+        try:
+            served = self.host.served.get(lease_id)
+            if served is None:
+                raise SandboxLost("its sandbox was reclaimed before the program ran")
+            lease = served[1]
+            client = await AsyncDaemonClient.connect(lease.address, lease.token)
+            try:
+                return await fusion.run(client, request, self.host.fusion_carried)
+            finally:
+                client.close()
+        except SandmanError as exc:
+            return fusion.answer("SandboxError", "%s: %s" % (type(exc).__name__, exc))
+        finally:  # renewed after the answer is sent
+            task = asyncio.ensure_future(self._renew(tenant, lease_id))
+            self.renewing[task] = tenant
+            task.add_done_callback(lambda done: self.renewing.pop(done, None))
+
+    # ---- lending a kept lease to a request
+    async def _take(self, tenant: str, spec: SandboxSpec, budget: float) -> str:
+        """A lease for one request of ``tenant``: an idle kept one; else whichever comes
+        first of a new one from the pool and a kept one renewed meanwhile (handed to the
+        tenant's oldest request waiting). A tenant at its limit waits in line rather
+        than be refused, for ``budget`` seconds; then Refusal 504, which
+        SandboxFusion's clients retry."""
+        queue = self.queued.setdefault(tenant, collections.deque())
+        limited = self.limited.setdefault(tenant, collections.deque())
+        if not queue:
+            lease_id = self._idle_one(tenant)
+            if lease_id is not None:
+                return self._lent(lease_id)
+        deadline = time.monotonic() + budget
+        ticket = asyncio.get_running_loop().create_future()  # a kept lease handed to it
+        queue.append(ticket)
+        asking: Optional[asyncio.Future] = None  # its acquire at the pool
+        wake: Optional[asyncio.Future] = None  # at the limit: its place in line for room
+        if limited:  # behind the requests that wait for room already
+            wake = self._in_line(limited, False)
+        message = "older requests of this tenant wait for room"
+        try:
+            while True:
+                in_line = wake is not None and wake in limited
+                if asking is None and not in_line:
+                    asking = asyncio.ensure_future(self._lease(tenant, spec, deadline))
+                left = deadline - time.monotonic()
+                if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
+                    raise Refusal(504, "timeout", "no sandbox was free for this request "
+                                  "within its compile and run timeouts (%.1f s): %s; try again"
+                                  % (budget, message))
+                done, _ = await asyncio.wait([f for f in (ticket, asking, in_line and wake) if f],
+                                             timeout=min(left, 1.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if ticket.done():
+                    return self._lent(ticket.result())
+                if asking is not None and asking.done():
+                    taken, asking = asking, None
+                    try:
+                        return self._lent(taken.result())
+                    except Refusal as no:  # at its limit: in line, and asks again in turn
+                        if no.status != 429:
+                            raise
+                        message = no.message
+                    wake = self._in_line(limited, wake is not None)
+                elif in_line and (wake.done() or not done and limited and limited[0] is wake):
+                    # room: a lease of the tenant ended, or, once a second, the first in
+                    # line asks (a limit may be raised meanwhile); refused, it is first
+                    if wake in limited:
+                        limited.remove(wake)
+        finally:
+            queue.remove(ticket) if ticket in queue else None
+            if wake is not None and wake in limited:
+                limited.remove(wake)
+            if not ticket.done():
+                ticket.cancel()
+            elif not ticket.cancelled() and ticket.result() not in self.busy:
+                # handed a lease, and given up meanwhile
+                self._idle_again(tenant, ticket.result())
+            if asking is not None:  # a lease it brings later serves the next request
+                asking.add_done_callback(lambda late: self._came_late(tenant, late))
+
+    @staticmethod
+    def _in_line(limited: Deque[asyncio.Future], again: bool) -> asyncio.Future:
+        """A request's place in line for room (``limited``): at the end, or ``again``
+        (it had its turn and was refused again) at the front."""
+        place = asyncio.get_running_loop().create_future()
+        (limited.appendleft if again else limited.append)(place)
+        return place
+
+    def _came_late(self, tenant: str, asking: asyncio.Future) -> None:
+        """The pool's lease for a request served meanwhile: the next request's."""
+        if asking.cancelled() or asking.exception() is not None:
+            return
+        self._idle_again(tenant, asking.result())
+
+    async def _lease(self, tenant: str, spec: SandboxSpec, deadline: float) -> str:
+        lease = await self.host.acquire(tenant, spec, max(1.0, deadline - time.monotonic()),
+                                        KEEPALIVE_S, None, self.host.node,
+                                        prefix=KEPT_PREFIX)
+        self.kept[lease["lease_id"]] = tenant
+        self._sweeping()
+        return lease["lease_id"]
+
+    def _idle_one(self, tenant: str) -> Optional[str]:
+        idle = self.idle.get(tenant)
+        while idle:
+            lease_id = idle.pop()  # the last used: its pages are the warmest
+            self.idle_at.pop(lease_id, None)
+            if lease_id in self.kept:
+                return lease_id
+        return None
+
+    def _lent(self, lease_id: str) -> str:
+        self.busy.add(lease_id)
+        self._touch(lease_id)
+        return lease_id
+
+    def _touch(self, lease_id: str) -> None:
+        served = self.host.served.get(lease_id)
+        if served is not None:
+            touches.note(self.host._pool(self.host.pool), lease_id, self.host.name)
+
+    # ---- after a request: renewed, and lent again
+    async def _renew(self, tenant: str, lease_id: str) -> None:
+        self.busy.discard(lease_id)
+        served = self.host.served.get(lease_id)
+        if served is None or self.closed:
+            await self._give_back(lease_id)
+            return
+        lease = served[1]
+        renewed = None
+        path = await self._control_path(lease.controller)
+        if path is not None:
+            try:
+                renewed = await control.renew_async(path, lease.sandbox_id, lease.token)
+            except (ProviderError, ProtocolError):
+                renewed = None  # (the pool resets or deletes it, at the release)
+        if renewed is None:
+            if path is not None and lease.controller is not None:
+                self.paths.pop(lease.controller, None)  # asked again next time
+            await self._give_back(lease_id)
+            return
+        if self.host.served.get(lease_id, (None, None))[1] is not lease:
+            return  # ended meanwhile: the pool's own reset comes after ours
+        self.host.renewed(lease_id, dataclasses.replace(lease, **renewed))
+        self._idle_again(tenant, lease_id)
+
+    def _idle_again(self, tenant: str, lease_id: str) -> None:
+        """A renewed lease: to the oldest request of its tenant waiting, else idle."""
+        if lease_id not in self.kept:
+            return
+        if _first_waiting(self.queued.get(tenant), lease_id):
+            return
+        self.idle.setdefault(tenant, []).append(lease_id)
+        self.idle_at[lease_id] = time.monotonic()
+
+    async def _give_back(self, lease_id: str) -> None:
+        self.busy.discard(lease_id)
+        if lease_id in self.kept:
+            await self.host.release(lease_id, self.host.pool)  # ``ended`` follows
+
+    async def _control_path(self, controller: Optional[str]) -> Optional[str]:
+        """The control socket of the agent named ``controller``, asked once (None: it
+        has none, or the provider has no such agent)."""
+        if controller is None:
+            return None
+        if controller not in self.paths:
+            agent = get_named(controller)
+            path = None
+            if agent is not None:
+                try:
+                    path = await agent.control_address.remote()
+                except Exception:  # noqa: BLE001 - gone, or it serves none: the pool resets
+                    forget_named(controller)
+            self.paths[controller] = path
+        return self.paths[controller]
+
+    # ---- the pool's word, the tenant's own acquires, and idle leases
+    def ended(self, tenant: str, lease_id: str) -> None:
+        """``lease_id`` of ``tenant`` ended (given back, or ended by the pool): the oldest
+        request of the tenant waiting for room asks the pool for it."""
+        if self.kept.pop(lease_id, None) is not None:
+            self.busy.discard(lease_id)
+            self.idle_at.pop(lease_id, None)
+            idle = self.idle.get(tenant)
+            if idle and lease_id in idle:
+                idle.remove(lease_id)
+        _first_waiting(self.limited.get(tenant), None)
+
+    async def make_room(self, tenant: str) -> bool:
+        """Give back one idle kept lease of ``tenant`` (its own acquire found it at its
+        limit), after the renews of its leases under way if it has none idle yet:
+        whether there was one."""
+        lease_id = self._idle_one(tenant)
+        renewing = [task for task, of in self.renewing.items() if of == tenant]
+        if lease_id is None and renewing:
+            await asyncio.wait(renewing)
+            lease_id = self._idle_one(tenant)
+        if lease_id is None:
+            return False
+        await self._give_back(lease_id)
+        return True
+
+    def _sweeping(self) -> None:
+        if self.sweeper is None or self.sweeper.done():
+            self.sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        """While any lease is kept: each idle one unused for IDLE_S given back, each busy
+        one touched (a long program keeps its lease)."""
+        while self.kept and not self.closed:
+            await asyncio.sleep(IDLE_S / 2)
+            now = time.monotonic()
+            for lease_id, at in list(self.idle_at.items()):
+                if now - at >= IDLE_S and lease_id in self.idle_at:
+                    tenant = self.kept.get(lease_id)
+                    idle = self.idle.get(tenant, [])
+                    if lease_id in idle:
+                        idle.remove(lease_id)
+                    self.idle_at.pop(lease_id, None)
+                    await self._give_back(lease_id)
+            for lease_id in list(self.busy):
+                self._touch(lease_id)
+
+    async def close(self) -> None:
+        """Stop: renews under way end, and no lease is kept any more (the host gives
+        back every lease it serves)."""
+        self.closed = True
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        if self.renewing:
+            await asyncio.wait(list(self.renewing))
+        for queue in list(self.queued.values()) + list(self.limited.values()):
+            for waiting in queue:
+                if not waiting.done():
+                    waiting.cancel()
+
+
+def _first_waiting(line: Optional[Deque[asyncio.Future]], value) -> bool:
+    """Resolve the oldest future of ``line`` still waiting with ``value``: whether one
+    was."""
+    while line:
+        waiting = line.popleft()
+        if not waiting.done():
+            waiting.set_result(value)
+            return True
+    return False

@@ -2,14 +2,14 @@
 
 A python program that prints (``print("hello")``), posted to ``sandman serve``'s
 ``/fusion/<key>/run_code`` (service/fusion.py: each request a sandbox of builtin:code
-lent for it alone, then reset) one at a time (p50) and 64 at once (requests a second),
+lent for it alone, then renewed: service/fusion_leases.py) one at a time (p50) and 64 at once (requests a second),
 beside the same program run by a plain ``subprocess`` on the host, with no sandbox, at
 the same concurrency: what the machine can do at all. Issue 50's target: ``/run_code``
 at 64 at once >= 0.8x that limit. Beside them, the floors: of a served design (the
 same requests to a minimal HTTP server that runs each program on the host, with no
 sandbox: ``http_floor.c``, native, and ``http_floor.py``, asyncio), of the HTTP client
 (its CPU a request), and of a fresh sandbox per request (the program in namespaces
-bwrap makes for it alone, nothing else of a sandbox; the CPU of one reset of ours).
+bwrap makes for it alone, nothing else of a sandbox; the CPU of one renew of ours).
 
     python bench/fusion.py [--n 200] [--burst 1280]     (or make bench: its service section)
 """
@@ -138,22 +138,36 @@ def busy_ms_each(call: Callable[[], object], n: int) -> float:
 
 
 def reset_floor(n: int = 100) -> dict:
-    """The floor of a fresh sandbox per request: the machine's CPU of one reset of a
-    builtin:code sandbox by its provider (no pool, no service, no Ray call of ours in
-    its path), beside the CPU of the program run on the host."""
+    """The floor of a fresh sandbox per request: the machine's CPU of one renew of a
+    builtin:code sandbox at its node's agent, asked on its control socket with the
+    lease's token as the service asks it after each program (no pool, service or Ray
+    call in its path), beside the CPU of the program run on the host."""
     import asyncio
     from local import create_and_exec
+    from sandman_ray import control
+    from sandman_ray.names import NAMESPACE
     from sandman_ray.spec import SandboxSpec
     prov = provider().bind("bench-fusion-floor-" + uuid.uuid4().hex[:6])
 
     async def measure():
-        sandbox_id, _, _ = await create_and_exec(prov, SandboxSpec(image="builtin:code"))
+        import ray
+        sandbox_id, info, _ = await create_and_exec(prov, SandboxSpec(image="builtin:code"))
+        token = info.token
         try:
+            agent = ray.get_actor(prov.controller(info.node_id), namespace=NAMESPACE)
+            path = await agent.control_address.remote()
+
+            async def renew() -> None:
+                nonlocal token
+                renewed = await control.renew_async(path, sandbox_id, token)
+                if renewed is None:
+                    raise RuntimeError("sandbox %s was not renewed" % sandbox_id)
+                token = renewed["token"]
             for _ in range(5):
-                await prov.reset(sandbox_id)
+                await renew()
             before, each = cpu_ticks(), process_ticks()
             for _ in range(n):
-                await prov.reset(sandbox_id)
+                await renew()
             after, each_after = cpu_ticks(), process_ticks()
         finally:
             await prov.delete(sandbox_id)
@@ -253,12 +267,12 @@ def rows(s: dict) -> List[tuple]:
           "%.0f /s" % s["fresh_namespaces"]["per_s_at_64"],
           "%.2fx the host's: a fresh sandbox per request's floor"
           % s["fresh_namespaces_over_host_at_64"])] if "fresh_namespaces" in s else []) + (
-        [("fusion", "  the floor of a reset per request: CPU of a reset, of the program",
+        [("fusion", "  the floor of a reset per request: CPU of a renew, of the program",
           "%.1f ms, %.1f ms" % (s["reset_floor"]["reset_cpu_ms"],
                                 s["reset_floor"]["program_cpu_ms"]),
           "at most %.2fx the host's while a reset costs this"
           % s["reset_floor"]["most_over_host"]),
-         ("fusion", "  a reset's CPU by process",
+         ("fusion", "  a renew's CPU by process",
           ", ".join("%s %.1f" % kv for kv in
                     s["reset_floor"].get("reset_cpu_ms_by_process", {}).items()), "ms")]
         if "reset_floor" in s else [])

@@ -51,6 +51,7 @@ class FusionLeases:
         # of the tenant that ended resolves (the oldest alone: a wake of all let newer
         # requests take the room in turn and starve the oldest past their timeouts)
         self.limited: Dict[str, Deque[asyncio.Future]] = {}
+        self.asking: Dict[str, int] = {}  # tenant -> its acquires at the pool under way
         self.paths: Dict[str, Optional[str]] = {}  # controller -> its control socket
         self.renewing: Dict[asyncio.Future, str] = {}  # renews under way -> their tenant
         self.sweeper: Optional[asyncio.Task] = None
@@ -110,8 +111,8 @@ class FusionLeases:
         try:
             while True:
                 in_line = wake is not None and wake in limited
-                if asking is None and not in_line:
-                    asking = asyncio.ensure_future(self._lease(tenant, spec, deadline))
+                if asking is None and not in_line and self._short(tenant):
+                    asking = self._ask(tenant, spec, deadline)
                 left = deadline - time.monotonic()
                 if left <= 0:  # a gateway's timeout, which SandboxFusion's clients retry
                     raise Refusal(504, "timeout", "no sandbox was free for this request "
@@ -147,6 +148,22 @@ class FusionLeases:
                 self._idle_again(tenant, ticket.result())
             if asking is not None:  # a lease it brings later serves the next request
                 asking.add_done_callback(lambda late: self._came_late(tenant, late))
+
+    def _short(self, tenant: str) -> bool:
+        """Whether the tenant's requests waiting for a sandbox outnumber the sandboxes
+        coming to them: those being renewed and those asked of the pool (each request
+        that waits asks the pool only then; once a second it looks again)."""
+        waiting = sum(1 for ticket in self.queued.get(tenant, ()) if not ticket.done())
+        renewing = sum(1 for of in self.renewing.values() if of == tenant)
+        return waiting > renewing + self.asking.get(tenant, 0)
+
+    def _ask(self, tenant: str, spec: SandboxSpec, deadline: float) -> asyncio.Future:
+        """A new lease of the pool's, asked for (counted while under way)."""
+        self.asking[tenant] = self.asking.get(tenant, 0) + 1
+        asking = asyncio.ensure_future(self._lease(tenant, spec, deadline))
+        asking.add_done_callback(lambda _: self.asking.__setitem__(
+            tenant, self.asking[tenant] - 1))
+        return asking
 
     @staticmethod
     def _in_line(limited: Deque[asyncio.Future], again: bool) -> asyncio.Future:

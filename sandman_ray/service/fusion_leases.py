@@ -21,6 +21,7 @@ they are the service's, and no tenant lists, reaches or keeps them.
 import asyncio
 import collections
 import dataclasses
+import os
 import time
 from typing import Deque, Dict, List, Optional, Set
 
@@ -33,6 +34,7 @@ from sandman_ray.spec import SandboxSpec
 KEPT_PREFIX = "F-"  # the lease ids of kept leases
 IDLE_S = 2.0  # a kept lease no request used for this long goes back to the pool
 KEEPALIVE_S = 60.0  # a kept lease's keepalive: it is touched while a request uses it
+BUSY_PER_CPU = 2  # a tenant's requests running per CPU of the node past which it is busy
 
 
 class FusionLeases:
@@ -150,12 +152,18 @@ class FusionLeases:
                 asking.add_done_callback(lambda late: self._came_late(tenant, late))
 
     def _short(self, tenant: str) -> bool:
-        """Whether the tenant's requests waiting for a sandbox outnumber the sandboxes
-        coming to them: those being renewed and those asked of the pool (each request
-        that waits asks the pool only then; once a second it looks again)."""
+        """Whether a request of ``tenant`` that waits for a sandbox asks the pool for
+        one now (else it looks again once a second): while fewer of its requests run
+        than BUSY_PER_CPU per CPU of the node, whenever its waiting requests outnumber
+        its asks under way (a warm sandbox comes sooner than a renew); past that, the
+        node is busy and a pool's lease costs CPU the programs need, so only when its
+        waiting requests outnumber the sandboxes coming to them, renewed or asked."""
         waiting = sum(1 for ticket in self.queued.get(tenant, ()) if not ticket.done())
-        renewing = sum(1 for of in self.renewing.values() if of == tenant)
-        return waiting > renewing + self.asking.get(tenant, 0)
+        asking = self.asking.get(tenant, 0)
+        if sum(1 for lease_id in self.busy if self.kept.get(lease_id) == tenant) < \
+                BUSY_PER_CPU * (os.cpu_count() or 1):
+            return waiting > asking
+        return waiting > asking + sum(1 for of in self.renewing.values() if of == tenant)
 
     def _ask(self, tenant: str, spec: SandboxSpec, deadline: float) -> asyncio.Future:
         """A new lease of the pool's, asked for (counted while under way)."""

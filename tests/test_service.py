@@ -25,17 +25,17 @@ from sandman_ray.service.tenants import KeyStore
 
 
 @contextlib.contextmanager
-def serving(where, *serve_args, warm=None):
-    """A pool of this session's Ray (``warm``: its warm config, default a builtin:debian),
-    three tenants with a key each (carol may hold one sandbox) in a key store under
-    ``where``, and ``sandman serve`` of the pool with ``serve_args``: its URLs, the
-    pool, the store, the process and the keys."""
+def serving(where, *serve_args, warm=None, **config):
+    """A pool of this session's Ray (``warm``: its warm config, default a builtin:debian;
+    ``config``: more of its PoolConfig), three tenants with a key each (carol may hold
+    one sandbox) in a key store under ``where``, and ``sandman serve`` of the pool with
+    ``serve_args``: its URLs, the pool, the store, the process and the keys."""
     import ray
     import sandman_ray as sandman
     from sandman_ray.providers.local import LocalProvider
     shared_ray()
     pool = unique_pool(LocalProvider(state_root=LOCAL_STATE, cache_root=LOCAL_CACHE), "svc",
-                       warm=warm or {"builtin:debian": 1})
+                       warm=warm or {"builtin:debian": 1}, **config)
     keys = where / "keys" / "keys.db"
     store = KeyStore(keys)
     tenants = {name: store.create_key(name) for name in ("alice", "bob", "carol")}

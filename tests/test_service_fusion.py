@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 
 from conftest import leased, wait_until
-from test_service import serving
+from sandman_ray.service.fusion_leases import KEPT_MAX_S
+from test_service import http_call, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,6 +45,15 @@ def pool_leases(pool: str) -> int:
     import ray
     import sandman_ray as sandman
     return ray.get(sandman.get_pool(pool).status.remote())["stats"]["leases"]
+
+
+def kept(fusion) -> list:
+    """The lease ids the service holds for /run_code (as the pool knows them)."""
+    import ray
+    import sandman_ray as sandman
+    from sandman_ray.service.host import service_name
+    held = ray.get(sandman.get_pool(fusion["pool"]).held_by.remote(service_name(fusion["pool"])))
+    return [lease.lease_id for lease in held if lease.lease_id.startswith("F-")]
 
 
 def run(fusion, **body):
@@ -122,8 +132,18 @@ def test_a_tenants_kept_sandboxes_serve_program_after_program_renewed(fusion):
     assert pool_leases(fusion["pool"]) - lent < len(seen)  # not each lent by the pool
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         slow = pool.submit(run, fusion, language="bash", code="sleep 3; echo done")
-        wait_until(lambda: leased(fusion["pool"]) >= 1, timeout=30)
+        wait_until(lambda: kept(fusion), timeout=30)
         assert connect(fusion["url"], fusion["alice"]).leases() == []
+        for lease_id in kept(fusion):  # its id known (guessed): still none of hers
+            for key in (fusion["alice"], fusion["bob"]):
+                for method, path, body in (("GET", "", None), ("POST", "/keepalive", None),
+                                           ("POST", "/pause", {}), ("DELETE", "", None)):
+                    status, _, _ = http_call(fusion, method, "/v1/leases/%s%s" % (lease_id, path),
+                                             body, key=key)
+                    assert status == 404, (method, path, status)
+                status, _, answer = http_call(fusion, "POST", "/v1/keepalive",
+                                              {"leases": [lease_id]}, key=key)
+                assert status == 200 and json.loads(answer)["ended"] == [lease_id], answer
         assert slow.result()["run_result"]["stdout"] == "done\n"
     wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)
 
@@ -222,3 +242,33 @@ def test_a_tenants_own_acquire_takes_the_room_of_its_kept_sandbox(fusion):
     with connect(fusion["url"], fusion["carol"]).sandbox("builtin:code", timeout=60) as sb:
         assert sb.exec("echo mine").stdout == b"mine\n"
     wait_until(lambda: leased(fusion["pool"]) == 0, timeout=30)
+
+
+def test_kept_sandboxes_go_back_to_the_pool_while_another_tenant_waits(tmp_path):
+    """A pool at its size, all of it kept for alice's stream of /run_code requests: bob's
+    acquire waits at the pool, and the service gives alice's sandboxes back to the pool
+    (which lends by its fair queue) instead of renewing them for her, so bob gets one
+    while her stream goes on, long before a kept lease's age would return it."""
+    import threading
+    from sandman_ray.remote import connect
+    with serving(tmp_path, "--fusion-image", "builtin:code", warm={"builtin:code": 2},
+                 max_sandboxes=2) as service:
+        endpoint = "%s/fusion/%s/run_code" % (service["url"], service["alice"])
+        stop, answers = threading.Event(), []
+
+        def stream() -> None:
+            while not stop.is_set():
+                answers.append(post(endpoint, {"code": "print(1)", "language": "python"}))
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(lambda: len(kept(service)) == 2, timeout=60)
+            bob = connect(service["url"], service["bob"])
+            with bob.sandbox("builtin:code", timeout=KEPT_MAX_S / 2) as sb:
+                assert sb.exec("echo bob").stdout == b"bob\n"
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert answers and all(status == 200 for status, _ in answers)

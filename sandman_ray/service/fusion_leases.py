@@ -9,9 +9,10 @@ requests: once a program is done and its answer sent, the node's agent renews th
 sandbox in place, asked on its control socket with the lease's token
 (sandman_ray.control: every process killed, a fresh writable layer, a new token: what
 the pool's reset does), and the sandbox serves the tenant's next request, the oldest
-waiting for room first. A lease no request used for IDLE_S goes back to the pool, as
-does one whose renew fails or whose agent has no control socket (the pool then resets
-or deletes its sandbox).
+waiting for room first. A lease goes back to the pool instead (the pool then resets or
+deletes its sandbox and lends it by its own fair queue) when no request used it for
+IDLE_S, when it was kept for KEPT_MAX_S, while anyone waits at the pool, and when its
+renew fails or its agent has no control socket.
 
 Kept leases count in their tenant's limits (an acquire of the tenant's own that finds
 it at its limit takes an idle one's room), under lease ids of their own (KEPT_PREFIX):
@@ -21,6 +22,7 @@ they are the service's, and no tenant lists, reaches or keeps them.
 import asyncio
 import collections
 import dataclasses
+import logging
 import os
 import time
 from typing import Deque, Dict, List, Optional, Set
@@ -31,10 +33,15 @@ from sandman_ray.lookup import forget_named, get_named
 from sandman_ray.service.answers import Refusal
 from sandman_ray.spec import SandboxSpec
 
+logger = logging.getLogger(__name__)
+
 KEPT_PREFIX = "F-"  # the lease ids of kept leases
 IDLE_S = 2.0  # a kept lease no request used for this long goes back to the pool
 KEEPALIVE_S = 60.0  # a kept lease's keepalive: it is touched while a request uses it
 BUSY_PER_CPU = 2  # a tenant's requests running per CPU of the node past which it is busy
+# a kept lease this old goes back to the pool at its next renew: the pool's fair queue,
+# its TTLs and its own upkeep see each sandbox again
+KEPT_MAX_S = 30.0
 
 
 class FusionLeases:
@@ -43,6 +50,8 @@ class FusionLeases:
     def __init__(self, host):
         self.host = host
         self.kept: Dict[str, str] = {}  # lease id -> its tenant, busy or idle
+        self.kept_at: Dict[str, float] = {}  # lease id -> when it was leased
+        self.contended = False  # others wait at the pool (asked once a second)
         self.idle: Dict[str, List[str]] = {}  # tenant -> its idle leases, last used last
         self.idle_at: Dict[str, float] = {}  # idle lease id -> when it was last used
         self.busy: Set[str] = set()
@@ -109,6 +118,7 @@ class FusionLeases:
         wake: Optional[asyncio.Future] = None  # at the limit: its place in line for room
         if limited:  # behind the requests that wait for room already
             wake = self._in_line(limited, False)
+        again = False  # it had its turn for room, and is first in line if refused again
         message = "older requests of this tenant wait for room"
         try:
             while True:
@@ -124,7 +134,11 @@ class FusionLeases:
                                              timeout=min(left, 1.0),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if ticket.done():
-                    return self._lent(ticket.result())
+                    if ticket.result() in self.kept:
+                        return self._lent(ticket.result())
+                    # ended between its hand-off and now: first in line for the next
+                    ticket = asyncio.get_running_loop().create_future()
+                    queue.appendleft(ticket)
                 if asking is not None and asking.done():
                     taken, asking = asking, None
                     try:
@@ -133,16 +147,19 @@ class FusionLeases:
                         if no.status != 429:
                             raise
                         message = no.message
-                    wake = self._in_line(limited, wake is not None)
+                    wake = self._in_line(limited, again)
                 elif in_line and (wake.done() or not done and limited and limited[0] is wake):
                     # room: a lease of the tenant ended, or, once a second, the first in
                     # line asks (a limit may be raised meanwhile); refused, it is first
                     if wake in limited:
                         limited.remove(wake)
+                    wake, again = None, True  # (its room is this ask's)
         finally:
             queue.remove(ticket) if ticket in queue else None
             if wake is not None and wake in limited:
                 limited.remove(wake)
+            elif wake is not None and wake.done() and not wake.cancelled():
+                _first_waiting(limited, None)  # woken, and served otherwise: the next
             if not ticket.done():
                 ticket.cancel()
             elif not ticket.cancelled() and ticket.result() not in self.busy:
@@ -185,13 +202,17 @@ class FusionLeases:
         """The pool's lease for a request served meanwhile: the next request's."""
         if asking.cancelled() or asking.exception() is not None:
             return
-        self._idle_again(tenant, asking.result())
+        if self.closed:
+            self._later(self._give_back(asking.result()))
+        else:
+            self._idle_again(tenant, asking.result())
 
     async def _lease(self, tenant: str, spec: SandboxSpec, deadline: float) -> str:
         lease = await self.host.acquire(tenant, spec, max(1.0, deadline - time.monotonic()),
                                         KEEPALIVE_S, None, self.host.node,
                                         prefix=KEPT_PREFIX)
         self.kept[lease["lease_id"]] = tenant
+        self.kept_at[lease["lease_id"]] = time.monotonic()
         self._sweeping()
         return lease["lease_id"]
 
@@ -217,27 +238,38 @@ class FusionLeases:
     # ---- after a request: renewed, and lent again
     async def _renew(self, tenant: str, lease_id: str) -> None:
         self.busy.discard(lease_id)
+        try:
+            renewed = await self._renewed(lease_id)
+        except Exception:  # noqa: BLE001 - whatever failed, the pool resets it
+            logger.exception("kept lease %s: its renew failed", lease_id)
+            renewed = False
+        if renewed:
+            self._idle_again(tenant, lease_id)
+        else:
+            await self._give_back(lease_id)
+
+    async def _renewed(self, lease_id: str) -> bool:
+        """Whether the kept lease's sandbox was renewed for its next request (False: it
+        goes back to the pool, which resets it)."""
         served = self.host.served.get(lease_id)
-        if served is None or self.closed:
-            await self._give_back(lease_id)
-            return
+        if served is None or self.closed or self.contended or \
+                time.monotonic() - self.kept_at.get(lease_id, 0.0) >= KEPT_MAX_S:
+            return False
         lease = served[1]
-        renewed = None
         path = await self._control_path(lease.controller)
-        if path is not None:
-            try:
-                renewed = await control.renew_async(path, lease.sandbox_id, lease.token)
-            except (ProviderError, ProtocolError):
-                renewed = None  # (the pool resets or deletes it, at the release)
+        if path is None:
+            return False
+        try:
+            renewed = await control.renew_async(path, lease.sandbox_id, lease.token)
+        except (ProviderError, ProtocolError):
+            renewed = None
         if renewed is None:
-            if path is not None and lease.controller is not None:
-                self.paths.pop(lease.controller, None)  # asked again next time
-            await self._give_back(lease_id)
-            return
+            self.paths.pop(lease.controller, None)  # asked again next time
+            return False
         if self.host.served.get(lease_id, (None, None))[1] is not lease:
-            return  # ended meanwhile: the pool's own reset comes after ours
+            return False  # ended meanwhile: the pool's own reset comes after ours
         self.host.renewed(lease_id, dataclasses.replace(lease, **renewed))
-        self._idle_again(tenant, lease_id)
+        return not self.closed
 
     def _idle_again(self, tenant: str, lease_id: str) -> None:
         """A renewed lease: to the oldest request of its tenant waiting, else idle."""
@@ -260,13 +292,13 @@ class FusionLeases:
             return None
         if controller not in self.paths:
             agent = get_named(controller)
-            path = None
-            if agent is not None:
-                try:
-                    path = await agent.control_address.remote()
-                except Exception:  # noqa: BLE001 - gone, or it serves none: the pool resets
-                    forget_named(controller)
-            self.paths[controller] = path
+            if agent is None:
+                return None
+            try:
+                self.paths[controller] = await agent.control_address.remote()
+            except Exception:  # noqa: BLE001 - gone, or failed: asked again next time
+                forget_named(controller)
+                return None
         return self.paths[controller]
 
     # ---- the pool's word, the tenant's own acquires, and idle leases
@@ -274,6 +306,7 @@ class FusionLeases:
         """``lease_id`` of ``tenant`` ended (given back, or ended by the pool): the oldest
         request of the tenant waiting for room asks the pool for it."""
         if self.kept.pop(lease_id, None) is not None:
+            self.kept_at.pop(lease_id, None)
             self.busy.discard(lease_id)
             self.idle_at.pop(lease_id, None)
             idle = self.idle.get(tenant)
@@ -300,21 +333,43 @@ class FusionLeases:
             self.sweeper = asyncio.ensure_future(self._sweep())
 
     async def _sweep(self) -> None:
-        """While any lease is kept: each idle one unused for IDLE_S given back, each busy
-        one touched (a long program keeps its lease)."""
+        """While any lease is kept, once every IDLE_S / 2: each busy one touched (a long
+        program keeps its lease), each idle one unused for IDLE_S given back, and the
+        pool asked whether anyone else waits there."""
         while self.kept and not self.closed:
             await asyncio.sleep(IDLE_S / 2)
-            now = time.monotonic()
-            for lease_id, at in list(self.idle_at.items()):
-                if now - at >= IDLE_S and lease_id in self.idle_at:
-                    tenant = self.kept.get(lease_id)
-                    idle = self.idle.get(tenant, [])
-                    if lease_id in idle:
-                        idle.remove(lease_id)
-                    self.idle_at.pop(lease_id, None)
-                    await self._give_back(lease_id)
             for lease_id in list(self.busy):
                 self._touch(lease_id)
+            now = time.monotonic()
+            for lease_id, at in list(self.idle_at.items()):
+                if now - at >= IDLE_S:
+                    self._idle_gone(lease_id)
+                    self._later(self._give_back(lease_id))
+            try:
+                status = await self.host._tell_pool(self.host.pool, "status")
+                # anyone at all: another tenant, another client of the pool, or asks
+                # of these requests that found the pool full (their sandboxes then
+                # come back through it)
+                self.contended = status["waiters"] > 0
+            except Exception:  # noqa: BLE001 - asked again at the next round
+                self.contended = False
+            if self.contended:  # the idle ones go back at once
+                for lease_id in list(self.idle_at):
+                    self._idle_gone(lease_id)
+                    self._later(self._give_back(lease_id))
+
+    def _idle_gone(self, lease_id: str) -> None:
+        idle = self.idle.get(self.kept.get(lease_id, ""), [])
+        if lease_id in idle:
+            idle.remove(lease_id)
+        self.idle_at.pop(lease_id, None)
+
+    def _later(self, work) -> None:
+        """``work`` (a coroutine) run on its own; a failure of it is logged."""
+        def done(task: asyncio.Future) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("kept leases: %s", task.exception())
+        asyncio.ensure_future(work).add_done_callback(done)
 
     async def close(self) -> None:
         """Stop: renews under way end, and no lease is kept any more (the host gives

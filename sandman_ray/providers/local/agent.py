@@ -341,7 +341,8 @@ class NodeAgent(AgentSnapshots):
             self.resets[sandbox_id] = task
             task.add_done_callback(lambda _: self._reset_ended(sandbox_id, task))
         info = await asyncio.shield(task)
-        self.cpu.set(sandbox_id, None, 1.0)  # the next holder's client weighs it anew
+        if token is None:  # the next holder's client weighs it anew (a holder's renew
+            self.cpu.set(sandbox_id, None, 1.0)  # keeps its client's weight)
         return info
 
     def _reset_ended(self, sandbox_id: str, task: asyncio.Future) -> None:

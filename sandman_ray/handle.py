@@ -25,7 +25,8 @@ from sandman_ray.errors import LeaseEnded, SandboxPaused
 from sandman_ray.host import DESCRIBED, FORWARDED, STREAMED
 from sandman_ray import control
 from sandman_ray.lookup import (
-    call_pool, call_pool_async, forget_named, get_named, get_pool, session_cache)
+    call_pool, call_pool_async, control_path, control_path_async, forget_control_path,
+    forget_named, get_named, get_pool)
 
 if TYPE_CHECKING:
     from sandman_ray.client.operations import _Operations as _Ops
@@ -401,17 +402,11 @@ class SandboxHandle:
             return False
         op, args, controller, note = calls
         try:
-            path = _control_paths.get(self._controller, _UNKNOWN)
-            if path is _UNKNOWN:
-                try:
-                    path = ray.get(controller.control_address.remote())
-                except ray.exceptions.RayTaskError:  # it could not serve one: Ray calls
-                    path = None
-                _control_paths[self._controller] = path
+            path = control_path(self._controller, controller)
             done = None if path is None else control.ask(path, op, *args)
             if done is None:
                 if path is not None:  # gone: asked for again next time
-                    _control_paths.pop(self._controller, None)
+                    forget_control_path(self._controller)
                 done = ray.get(getattr(controller, op + "_held").remote(*args))
         except ray.exceptions.RayActorError:
             forget_named(self._controller)
@@ -425,17 +420,11 @@ class SandboxHandle:
             return False
         op, args, controller, note = calls
         try:
-            path = _control_paths.get(self._controller, _UNKNOWN)
-            if path is _UNKNOWN:
-                try:
-                    path = await controller.control_address.remote()
-                except ray.exceptions.RayTaskError:
-                    path = None
-                _control_paths[self._controller] = path
+            path = await control_path_async(self._controller, controller)
             done = None if path is None else await control.ask_async(path, op, *args)
             if done is None:
                 if path is not None:
-                    _control_paths.pop(self._controller, None)
+                    forget_control_path(self._controller)
                 done = await getattr(controller, op + "_held").remote(*args)
         except ray.exceptions.RayActorError:
             forget_named(self._controller)
@@ -471,9 +460,6 @@ class SandboxHandle:
         return "SandboxHandle(%s, lease %s)" % (self.sandbox, self.lease_id)
 
 
-# this process's paths of node controllers' control sockets (None: one has none)
-_control_paths = session_cache({})
-_UNKNOWN = object()
 
 
 def _rebuilt(host, lease_id, sandbox_id, node_id, pool, host_name, auto_resume,

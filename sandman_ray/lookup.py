@@ -110,3 +110,36 @@ def get_named(name: str):
 
 def forget_named(name: str) -> None:
     _named.pop(name, None)
+
+
+# node controllers' control sockets (sandman_ray.control), by controller name: asked of
+# each once per process (None: it serves none, and is asked by Ray calls)
+_control_paths: Dict[str, Optional[str]] = session_cache({})
+
+
+def control_path(name: str, controller) -> Optional[str]:
+    """The control socket of ``controller``, the actor named ``name`` (RayActorError
+    when it is gone)."""
+    current()
+    if name not in _control_paths:
+        try:
+            _control_paths[name] = ray.get(controller.control_address.remote())
+        except ray.exceptions.RayTaskError:  # it could not serve one
+            _control_paths[name] = None
+    return _control_paths[name]
+
+
+async def control_path_async(name: str, controller) -> Optional[str]:
+    """``control_path`` for asyncio code."""
+    current()
+    if name not in _control_paths:
+        try:
+            _control_paths[name] = await controller.control_address.remote()
+        except ray.exceptions.RayTaskError:
+            _control_paths[name] = None
+    return _control_paths[name]
+
+
+def forget_control_path(name: str) -> None:
+    """A control socket that did not answer: asked for again next time."""
+    _control_paths.pop(name, None)

@@ -259,7 +259,7 @@ def test_the_agent_s_control_socket_pauses_for_the_token_alone_and_refuses_garba
     import socket
     import stat
     from sandman_ray import control
-    from sandman_ray.handle import _control_paths
+    from sandman_ray.lookup import _control_paths
     with sandman.sandbox(pool=pool, timeout=120) as sb:
         sb.pause()
         path = _control_paths[sb._controller]
@@ -343,7 +343,7 @@ def test_pauses_with_an_ended_lease_s_token_during_its_reset_never_freeze_the_ne
     reset's lock froze it after the reset's thaw)."""
     import threading
     from sandman_ray import control
-    from sandman_ray.handle import _control_paths
+    from sandman_ray.lookup import _control_paths
     sb = sandman.acquire(pool=pool, timeout=120)
     sb.pause()
     sb.resume()

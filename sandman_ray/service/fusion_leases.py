@@ -25,11 +25,14 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Deque, Dict, List, Optional, Set
+from typing import Deque, Dict, Optional, Set
+
+import ray
 
 from sandman_ray import control, touches
 from sandman_ray.errors import ProtocolError, ProviderError, SandboxLost, SandmanError
-from sandman_ray.lookup import forget_named, get_named
+from sandman_ray.lookup import (
+    control_path_async, forget_control_path, forget_named, get_named)
 from sandman_ray.service.answers import Refusal
 from sandman_ray.spec import SandboxSpec
 
@@ -52,8 +55,8 @@ class FusionLeases:
         self.kept: Dict[str, str] = {}  # lease id -> its tenant, busy or idle
         self.kept_at: Dict[str, float] = {}  # lease id -> when it was leased
         self.contended = False  # others wait at the pool (asked once a second)
-        self.idle: Dict[str, List[str]] = {}  # tenant -> its idle leases, last used last
-        self.idle_at: Dict[str, float] = {}  # idle lease id -> when it was last used
+        # tenant -> its idle leases and when each was last used, last used last
+        self.idle: Dict[str, Dict[str, float]] = {}
         self.busy: Set[str] = set()
         # tenant -> its requests waiting for a sandbox, oldest first: each a future
         # that a renewed kept lease (its id) resolves
@@ -63,7 +66,6 @@ class FusionLeases:
         # requests take the room in turn and starve the oldest past their timeouts)
         self.limited: Dict[str, Deque[asyncio.Future]] = {}
         self.asking: Dict[str, int] = {}  # tenant -> its acquires at the pool under way
-        self.paths: Dict[str, Optional[str]] = {}  # controller -> its control socket
         self.renewing: Dict[asyncio.Future, str] = {}  # renews under way -> their tenant
         self.sweeper: Optional[asyncio.Task] = None
         self.closed = False
@@ -218,12 +220,7 @@ class FusionLeases:
 
     def _idle_one(self, tenant: str) -> Optional[str]:
         idle = self.idle.get(tenant)
-        while idle:
-            lease_id = idle.pop()  # the last used: its pages are the warmest
-            self.idle_at.pop(lease_id, None)
-            if lease_id in self.kept:
-                return lease_id
-        return None
+        return idle.popitem()[0] if idle else None  # the last used: the warmest pages
 
     def _lent(self, lease_id: str) -> str:
         self.busy.add(lease_id)
@@ -264,7 +261,7 @@ class FusionLeases:
         except (ProviderError, ProtocolError):
             renewed = None
         if renewed is None:
-            self.paths.pop(lease.controller, None)  # asked again next time
+            forget_control_path(lease.controller)  # asked again next time
             return False
         if self.host.served.get(lease_id, (None, None))[1] is not lease:
             return False  # ended meanwhile: the pool's own reset comes after ours
@@ -275,10 +272,8 @@ class FusionLeases:
         """A renewed lease: to the oldest request of its tenant waiting, else idle."""
         if lease_id not in self.kept:
             return
-        if _first_waiting(self.queued.get(tenant), lease_id):
-            return
-        self.idle.setdefault(tenant, []).append(lease_id)
-        self.idle_at[lease_id] = time.monotonic()
+        if not _first_waiting(self.queued.get(tenant), lease_id):
+            self.idle.setdefault(tenant, {})[lease_id] = time.monotonic()
 
     async def _give_back(self, lease_id: str) -> None:
         self.busy.discard(lease_id)
@@ -286,32 +281,25 @@ class FusionLeases:
             await self.host.release(lease_id, self.host.pool)  # ``ended`` follows
 
     async def _control_path(self, controller: Optional[str]) -> Optional[str]:
-        """The control socket of the agent named ``controller``, asked once (None: it
-        has none, or the provider has no such agent)."""
-        if controller is None:
+        """The control socket of the agent named ``controller`` (None: it has none, or
+        the provider has no such agent)."""
+        agent = None if controller is None else get_named(controller)
+        if agent is None:
             return None
-        if controller not in self.paths:
-            agent = get_named(controller)
-            if agent is None:
-                return None
-            try:
-                self.paths[controller] = await agent.control_address.remote()
-            except Exception:  # noqa: BLE001 - gone, or failed: asked again next time
-                forget_named(controller)
-                return None
-        return self.paths[controller]
+        try:
+            return await control_path_async(controller, agent)
+        except ray.exceptions.RayActorError:  # gone: looked up again next time
+            forget_named(controller)
+            return None
 
     # ---- the pool's word, the tenant's own acquires, and idle leases
     def ended(self, tenant: str, lease_id: str) -> None:
         """``lease_id`` of ``tenant`` ended (given back, or ended by the pool): the oldest
         request of the tenant waiting for room asks the pool for it."""
+        self.idle.get(tenant, {}).pop(lease_id, None)
         if self.kept.pop(lease_id, None) is not None:
             self.kept_at.pop(lease_id, None)
             self.busy.discard(lease_id)
-            self.idle_at.pop(lease_id, None)
-            idle = self.idle.get(tenant)
-            if idle and lease_id in idle:
-                idle.remove(lease_id)
         _first_waiting(self.limited.get(tenant), None)
 
     async def make_room(self, tenant: str) -> bool:
@@ -340,11 +328,6 @@ class FusionLeases:
             await asyncio.sleep(IDLE_S / 2)
             for lease_id in list(self.busy):
                 self._touch(lease_id)
-            now = time.monotonic()
-            for lease_id, at in list(self.idle_at.items()):
-                if now - at >= IDLE_S:
-                    self._idle_gone(lease_id)
-                    self._later(self._give_back(lease_id))
             try:
                 status = await self.host._tell_pool(self.host.pool, "status")
                 # anyone at all: another tenant, another client of the pool, or asks
@@ -353,16 +336,12 @@ class FusionLeases:
                 self.contended = status["waiters"] > 0
             except Exception:  # noqa: BLE001 - asked again at the next round
                 self.contended = False
-            if self.contended:  # the idle ones go back at once
-                for lease_id in list(self.idle_at):
-                    self._idle_gone(lease_id)
-                    self._later(self._give_back(lease_id))
-
-    def _idle_gone(self, lease_id: str) -> None:
-        idle = self.idle.get(self.kept.get(lease_id, ""), [])
-        if lease_id in idle:
-            idle.remove(lease_id)
-        self.idle_at.pop(lease_id, None)
+            now = time.monotonic()
+            for idle in self.idle.values():  # (while contended, every idle one)
+                for lease_id, at in list(idle.items()):
+                    if self.contended or now - at >= IDLE_S:
+                        del idle[lease_id]
+                        self._later(self._give_back(lease_id))
 
     def _later(self, work) -> None:
         """``work`` (a coroutine) run on its own; a failure of it is logged."""

@@ -55,6 +55,9 @@ On a local Ray with the LocalProvider, each section in a module of its own
   fusion  SandboxFusion's ``/run_code`` on the service, a python print one at a time and
          64 at once, beside the same program run by a plain subprocess on the host
          (``bench/fusion.py``).
+  images  per-task settings: N acquires whose specs each set their own env and workdir
+         on a pool of N warm sandboxes of one image, bound as lent (PoolConfig.late_bind)
+         beside today's keys (each such spec created for) (``bench/images.py``).
   e2b  E2B's SDK ``commands.run("true")`` through the service beside sandman's client's
          ``exec`` (``bench/e2b_sdk.py``).
   isolation  what each isolation level costs, one after the other in this run
@@ -86,6 +89,7 @@ import cycles  # noqa: E402
 import density  # noqa: E402
 import forks  # noqa: E402
 import fusion  # noqa: E402
+import images  # noqa: E402
 import e2b_sdk  # noqa: E402
 import isolation  # noqa: E402
 import peers  # noqa: E402
@@ -152,6 +156,8 @@ def table(results: dict, args) -> List[tuple]:
         rows += fusion.rows(results["fusion"])
     if "e2b" in results:
         rows += e2b_sdk.rows(results["e2b"])
+    if "images" in results:
+        rows += images.rows(results["images"])
     if "peers" in results:
         rows += peers.rows(results["peers"])
     return rows
@@ -160,7 +166,7 @@ def table(results: dict, args) -> List[tuple]:
 # in the order they run; stream last: its 100 MB chunks stay in the host's heap (which
 # density measures)
 SECTIONS = ("noop", "burst", "cycle", "reuse", "fork", "cost", "isolation", "density",
-            "service", "fusion", "e2b", "peers", "stream")
+            "service", "fusion", "e2b", "images", "peers", "stream")
 
 
 def isolation_section(args) -> dict:
@@ -224,6 +230,7 @@ def main(argv=None) -> int:
             "service": lambda: service.service(args.service_n, args.service_rounds),
             "fusion": fusion.fusion,
             "e2b": e2b_sdk.e2b_beside_ours,
+            "images": lambda: images.images(args.n, args.clients, image),
             "peers": lambda: peers.peers(list(peers.PEERS)),
             "stream": lambda: stream.stream(image)}
     try:

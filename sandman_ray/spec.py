@@ -382,6 +382,12 @@ class PoolConfig:
     pause_between_steps: the integrations (verl tool, SkyRL env, mini-swe-agent
         environment) pause a trajectory's sandbox after each step and resume it at
         the next (``SandboxHandle.pause``): no CPU while the model thinks.
+    late_bind: an acquire's ``env``, ``workdir`` and ``labels`` are given to a warm
+        sandbox as it is lent (its reset forgets them), so specs that differ only in
+        those share one warm set: a task id in the environment costs no cold create.
+        Where the provider cannot (``Provider.binds_late``), or False: they are part
+        of what makes sandboxes interchangeable, and each distinct set is created
+        for.
     """
 
     provider: object = None
@@ -402,6 +408,7 @@ class PoolConfig:
     default_disk: Optional[Union[int, str]] = "4Gi"
     default_nofile: int = DEFAULT_NOFILE
     pause_between_steps: bool = False
+    late_bind: bool = True
 
     def __post_init__(self):
         def positive(name, integer=False, optional=False):
@@ -434,15 +441,17 @@ class PoolConfig:
                              % (MIN_IDLE_TIMEOUT_S, self.idle_timeout_s))
         if self.reuse not in ("reset", "delete"):
             raise ValueError("PoolConfig.reuse must be 'reset' or 'delete', got %r" % (self.reuse,))
-        if not isinstance(self.pause_between_steps, bool):
-            raise ValueError("PoolConfig.pause_between_steps must be True or False, got %r"
-                             % (self.pause_between_steps,))
+        for name in ("pause_between_steps", "late_bind"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError("PoolConfig.%s must be True or False, got %r"
+                                 % (name, getattr(self, name)))
         warm = {}
         for spec, count in dict(self.warm).items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError("PoolConfig.warm counts must be ints >= 0, got %r for %r"
                                  % (count, spec))
-            warm[self.limited(SandboxSpec.of(spec))] = count
+            slot = self.slot(SandboxSpec.of(spec))
+            warm[slot] = warm.get(slot, 0) + count
         self.warm = warm
         if sum(warm.values()) > self.max_sandboxes:
             raise ValueError("PoolConfig.warm asks for %d sandboxes, more than max_sandboxes=%d"
@@ -455,3 +464,16 @@ class PoolConfig:
                   "disk": self.default_disk, "nofile": self.default_nofile}
         missing = {k: v for k, v in wanted.items() if getattr(spec, k) is None and v is not None}
         return dataclasses.replace(spec, **missing) if missing else spec
+
+    @property
+    def binds_late(self) -> bool:
+        """Whether acquires' env, workdir and labels are bound as sandboxes are lent."""
+        return self.late_bind and getattr(self.provider, "binds_late", False)
+
+    def slot(self, spec: SandboxSpec) -> SandboxSpec:
+        """The sandboxes that can serve ``spec`` (``limited``), as the pool creates them
+        and keys its warm sets and waiters: without what is bound late, if it is."""
+        spec = self.limited(spec)
+        if self.binds_late and (spec.env or spec.workdir or spec.labels):
+            spec = dataclasses.replace(spec, env={}, workdir=None, labels={})
+        return spec

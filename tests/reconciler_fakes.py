@@ -122,11 +122,11 @@ class FakeProvider(Provider):
 SPEC = SandboxSpec(image="host")
 
 
-def make(**config):
+def make(provider=None, **config):
     config.setdefault("default_pids", None)
     config.setdefault("default_memory", None)
     config.setdefault("default_disk", None)
-    provider, clock, cluster = FakeProvider(), FakeClock(), FakeCluster()
+    provider, clock, cluster = provider or FakeProvider(), FakeClock(), FakeCluster()
     pool = Reconciler("p", PoolConfig(provider=provider, **config), provider.bind("p"),
                       cluster, clock, NoMetrics())
     return pool, provider, clock, cluster

@@ -265,6 +265,17 @@ class _Commands(_Transport):
         return self._call("shutdown", _present({"kill_grace_s": kill_grace_s}),
                                  timeout=self.default_timeout)
 
+    def bind(self, env: Optional[Dict[str, str]] = None, workdir: Optional[str] = None):
+        """The lease's own environment (over the sandbox's) and working directory (made
+        when missing) for every command started from now on; the pool's, as it lends
+        a warm sandbox to a spec that sets them (see the protocol doc).
+
+        Returns:
+            (dict): ``workdir``, the working directory now.
+        """
+        return self._call("bind", _present({"env": env, "workdir": workdir}),
+                          timeout=self.default_timeout)
+
     def renew(self, phase: str, root: Optional[str] = None, token: Optional[str] = None,
               admin: Optional[str] = None):
         """The launcher's: ready the sandbox for its next lease (see the protocol doc);

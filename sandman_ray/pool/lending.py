@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from typing import Optional
 
-from sandman_ray.errors import AcquireTimeout, LeaseNotHeld
+from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.shared import PoolState
 from sandman_ray.pool.states import Lease, Sandbox, State, reachable
 from sandman_ray.pool.waiters import Waiter
@@ -66,7 +66,8 @@ class Lending:
                              % (MIN_KEEPALIVE_S, MAX_KEEPALIVE_S, keepalive_s))
         if weight is not None and not number_in(weight, 0, 1000, above=True):
             raise ValueError("weight must be a number above 0, at most 1000, got %r" % (weight,))
-        spec = self.state.config.limited(SandboxSpec.of(spec))
+        asked = self.state.config.limited(SandboxSpec.of(spec))
+        spec = self.state.config.slot(asked)  # what can serve it; the rest bound as lent
         want, only = await self._placement(node, holder_node)
         if lease_id is None:
             lease_id = "L-" + uuid.uuid4().hex  # a bearer secret: listings never show it
@@ -74,6 +75,8 @@ class Lending:
             served = self.state.records.leased(lease_id)
             if served is not None and (served.holder == holder or not served.registered_at
                                        or (keepalive_s and served.client == client)):
+                if served.handing is not None:  # its settings are still being bound
+                    return await asyncio.wait_for(asyncio.shield(served.handing), timeout_s)
                 return served.lease  # asked again (a retry, a restart of the pool): served
             if lease_id in self.state.ended:  # cancelled (perhaps before it was asked), or over
                 raise AcquireTimeout("pool %s: lease %s: %s"
@@ -92,7 +95,7 @@ class Lending:
         now = self.state.clock.monotonic()
         waiter = Waiter(client, spec, loop.create_future(), lease_id, now + timeout_s, now,
                         holder, holder_node, want, only, float(keepalive_s or 0.0),
-                        float(weight or 1.0))
+                        float(weight or 1.0), asked if asked != spec else None)
         self.state.waiters.push(waiter)
         self.state.waiting[lease_id] = waiter
         self.lend(spec)  # a warm sandbox is lent at once, without waiting for a tick
@@ -105,11 +108,13 @@ class Lending:
             self.state.forget_waiter(waiter)
             if waiter.future.done():  # lent as the timeout fired (kept), or failed (why)
                 return waiter.future.result()
+            self._unbind(waiter, "the acquire timed out while its settings were bound")
             raise AcquireTimeout("pool %s: no %s sandbox within %.1f s (%s)"
                                  % (self.state.name, spec.image, timeout_s, self.state.summary()))
         except asyncio.CancelledError:
             # the caller went away: a sandbox lent meanwhile is reclaimed by the grace
             self.state.forget_waiter(waiter)
+            self._unbind(waiter, "the acquire was cancelled while its settings were bound")
             raise
 
     async def _placement(self, node: Optional[str], holder_node: Optional[str]) -> tuple:
@@ -262,10 +267,61 @@ class Lending:
         self.state.to(rec, State.LEASED, "lent to %s" % waiter.client)
         self.state.last_lent[rec.spec] = now
         self.state.stats["leases"] += 1
-        self.metrics.lent(now - waiter.enqueued)
+        if waiter.task is not None:  # handed out once the sandbox has its settings
+            rec.task, rec.handing, waiter.lent = waiter.task, waiter.future, rec
+            asyncio.ensure_future(self._bind(rec, lease, waiter, offer))
+            return
+        self._hand(lease, waiter, offer)
+
+    def _hand(self, lease: Lease, waiter: Waiter, offer: bool) -> None:
+        self.metrics.lent(self.state.clock.monotonic() - waiter.enqueued)
         if offer:  # sent before the answer: a pool that dies between them lost neither
             self.cluster.offer(waiter.holder, lease)
         waiter.future.set_result(lease)
+
+    async def _bind(self, rec: Sandbox, lease: Lease, waiter: Waiter, offer: bool) -> None:
+        """Give the sandbox lent to ``waiter`` the settings its spec asks beyond the
+        warm set's (PoolConfig.late_bind), then hand the lease out. A sandbox that
+        cannot take them goes back to be reset; the waiter waits for another, or is
+        told why when its spec is at fault (a workdir that cannot be made)."""
+        task = waiter.task
+        try:
+            await asyncio.wait_for(self.provider.bind_task(
+                rec.sandbox_id, dict(task.env), task.workdir, dict(task.labels)),
+                self.state.config.ready_timeout_s)
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - said to the waiter, or retried
+            failed = exc
+        if rec.lease is not lease:  # ended meanwhile (cancelled, released, shut down)
+            if not waiter.future.done():
+                waiter.future.set_exception(AcquireTimeout(
+                    "pool %s: lease %s: %s" % (self.state.name, lease.lease_id,
+                                               self.state.ended.get(lease.lease_id)
+                                               or "it ended before it was handed out")))
+                waiter.future.exception()  # retrieved: its caller may have gone
+            return
+        rec.handing, waiter.lent = None, None
+        if failed is None:
+            self.state.stats["bound"] += 1
+            return self._hand(lease, waiter, offer)
+        self.end_lease(rec, "its settings could not be bound: %s" % failed, tell_host=False)
+        if waiter.future.done():
+            return
+        if getattr(failed, "kind", "") == "fatal":
+            waiter.future.set_exception(ProviderError(str(failed), "fatal"))
+        else:  # another sandbox, in its turn, under the same lease id
+            self.state.ended.pop(waiter.lease_id, None)
+            self.state.waiters.push(waiter)
+            self.state.waiting[waiter.lease_id] = waiter
+            self.lend(waiter.spec)
+            self.state.kick()
+
+    def _unbind(self, waiter: Waiter, reason: str) -> None:
+        """The caller of ``waiter`` gave up while its sandbox's settings were bound:
+        that lease ends now (the sandbox is reset) instead of at the grace."""
+        rec, waiter.lent = waiter.lent, None
+        if rec is not None and rec.handing is waiter.future:
+            self.end_lease(rec, reason, tell_host=False)
 
     def allowed(self, client: str) -> bool:
         quota = self.state.config.client_quota

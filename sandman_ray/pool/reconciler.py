@@ -152,7 +152,7 @@ class Reconciler:
     def sandboxes(self) -> List[dict]:
         now = self.clock.monotonic()
         return [{"sandbox_id": r.sandbox_id, "state": r.state.value, "image": r.spec.image,
-                 "spec": r.spec.to_dict(), "node_id": getattr(r.info, "node_id", None),
+                 "spec": (r.task or r.spec).to_dict(), "node_id": getattr(r.info, "node_id", None),
                  "client": r.client, "holder": r.holder, "age_s": now - r.since,
                  "cpu_weight": r.cpu_weight,
                  "leased": r.lease is not None}

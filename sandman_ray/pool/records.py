@@ -157,6 +157,7 @@ class Records:
             rec.cpu_weight = None  # its reset puts it back at 1 (Provider.weigh)
         self._unhold(rec)
         rec.lease, rec.client, rec.holder = None, None, None
+        rec.task = rec.handing = None
 
     # ---- the indexes
     def _unhold(self, rec: Sandbox) -> None:

@@ -50,7 +50,8 @@ class PoolState:
         self.fork_snapshots: Set[str] = set()
         self.stats = {"creates": 0, "create_failures": 0, "deletes": 0, "resets": 0,
                       "throttled": 0, "reclaimed": 0, "leases": 0, "lost": 0,
-                      "registered": 0}  # leases a host took by a second call
+                      "registered": 0,  # leases a host took by a second call
+                      "bound": 0}  # leases whose settings a warm sandbox took as lent
         self.events: Deque[tuple] = collections.deque(maxlen=EVENT_LOG)
         self.closing = False
         self.wake: Optional[asyncio.Event] = None

@@ -141,7 +141,7 @@ class SnapshotOps:
         now on (0: none); the pool's warm targets, by image."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError("a warm count must be an int >= 0, got %r" % (count,))
-        spec = self.state.config.limited(SandboxSpec.of(spec))
+        spec = self.state.config.slot(SandboxSpec.of(spec))
         others = sum(n for s, n in self.state.config.warm.items() if s != spec)
         if others + count > self.state.config.max_sandboxes:
             raise ValueError("pool %s: warm targets of %d sandboxes exceed max_sandboxes=%d"

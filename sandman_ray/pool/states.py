@@ -146,6 +146,8 @@ class Sandbox:
     keepalive_s: float = 0.0       # a lease that lasts while kept alive (0: while held)
     kept_at: float = 0.0           # its last call or keepalive (the pool's clock)
     cpu_weight: Optional[float] = None  # its share of its node's CPU, as last set
+    task: Optional[SandboxSpec] = None  # what its lease asked, when bound late (lending.py)
+    handing: object = None  # while that is bound: the future its lease is handed out by
 
     @property
     def node(self) -> Optional[str]:

@@ -163,7 +163,9 @@ class Upkeep:
             if not info.alive or info.spec is None:  # died while we were down, or unknown
                 await self.supply.provider_delete(info.sandbox_id)
                 continue
-            rec = Sandbox(info.sandbox_id, info.spec, State.RELEASING, now, info=info)
+            # its spec as the pool keys it; a lease's settings bound late, beside it
+            slot = self.state.config.slot(info.spec)
+            rec = Sandbox(info.sandbox_id, slot, State.RELEASING, now, info=info)
             lease, holder = held.get(info.sandbox_id, (None, None))
             if lease is not None and lease.token != info.token:
                 lease = None  # started afresh since: that lease is over
@@ -171,6 +173,7 @@ class Upkeep:
                 self.state.records.add(rec)
             else:
                 rec.state = State.LEASED
+                rec.task = info.spec if info.spec != slot else None
                 self.state.records.add(rec)
                 self.state.records.lend(rec, lease, lease.client, holder)
                 rec.holder_seen = True

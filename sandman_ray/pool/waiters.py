@@ -21,6 +21,9 @@ class Waiter:
     only: Optional[str] = None  # the node its sandbox must be on (asked for)
     keepalive_s: float = 0.0  # its lease lasts while kept alive (0: while held)
     weight: float = 1.0  # its client's share of the lending (a service tenant's weight)
+    task: Optional[SandboxSpec] = None  # the spec asked, when ``spec`` leaves out what
+    # is bound late (PoolConfig.slot), its settings given as it is lent
+    lent: object = None  # the record lent to it while those are bound
 
     @property
     def node(self) -> Optional[str]:

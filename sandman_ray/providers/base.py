@@ -82,18 +82,24 @@ class SnapshotInfo:
                 "source": self.source, "created_at": self.created_at}
 
 
+async def _daemon(info: SandboxInfo):
+    """A client of the daemon of ``info``, connected with its token, or a transient
+    ProviderError."""
+    from sandman_ray.client import AsyncDaemonClient
+    try:
+        return await AsyncDaemonClient.connect(info.address, info.token,
+                                               connect_timeout=CHECK_TIMEOUT_S,
+                                               default_timeout=CHECK_TIMEOUT_S)
+    except (ConnectionError, OSError, SandmanError) as exc:
+        raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+
+
 async def check_answers(info: SandboxInfo) -> None:
     """Raise (transient) unless the sandbox's daemon answers a ping and a trivial exec:
     what READY means, checked where the address is reachable (a provider's create and
     reset end with it, on the sandbox's node for a unix socket), within
     CHECK_TIMEOUT_S."""
-    from sandman_ray.client import AsyncDaemonClient
-    try:
-        client = await AsyncDaemonClient.connect(info.address, info.token,
-                                                 connect_timeout=CHECK_TIMEOUT_S,
-                                                 default_timeout=CHECK_TIMEOUT_S)
-    except (ConnectionError, OSError, SandmanError) as exc:
-        raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+    client = await _daemon(info)
     try:
         await client.ping()
         result = await client.exec("true")
@@ -102,6 +108,25 @@ async def check_answers(info: SandboxInfo) -> None:
     except (ConnectionError, OSError, SandmanError) as exc:
         if isinstance(exc, ProviderError):
             raise
+        raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
+    finally:
+        client.close()
+
+
+async def bind_daemon(info: SandboxInfo, env: Dict[str, str], workdir: Optional[str]) -> None:
+    """The daemon of ``info`` takes a lease's ``env`` and ``workdir`` (its ``bind`` op),
+    where the address is reachable; a ProviderError says why it did not: fatal for a
+    request the daemon refuses (a workdir it cannot make: the spec's fault), transient
+    otherwise."""
+    from sandman_ray.errors import DaemonError
+    client = await _daemon(info)
+    try:
+        await client.bind(env or None, workdir)
+    except DaemonError as exc:
+        if exc.type != "BadRequest":
+            raise transient("sandbox %s: bind: %s" % (info.sandbox_id, exc)) from exc
+        raise fatal("sandbox %s: %s" % (info.sandbox_id, exc)) from exc
+    except (ConnectionError, OSError, SandmanError) as exc:
         raise transient("sandbox %s does not answer: %s" % (info.sandbox_id, exc)) from exc
     finally:
         client.close()
@@ -120,6 +145,9 @@ class Provider(abc.ABC):
     supports_reset: bool = False
     #: True when ``weigh`` sets sandboxes' shares of their node's CPU.
     weighs: bool = False
+    #: True when ``bind_task`` gives a running sandbox a lease's env, workdir and
+    #: labels: a pool's warm sandboxes then serve specs that differ only in those.
+    binds_late: bool = False
     #: the pool's pacing of creates when its PoolConfig leaves it to the provider: what
     #: the provider's control plane takes (an API server, a container engine)
     pacing = DEFAULT_PACING
@@ -182,6 +210,13 @@ class Provider(abc.ABC):
         leased sandboxes. A reset sandbox is back at 1.0. Where ``weighs`` is False:
         nothing."""
         return None
+
+    async def bind_task(self, sandbox_id: str, env: Dict[str, str], workdir: Optional[str],
+                        labels: Dict[str, str]) -> None:
+        """Give the sandbox one lease's own settings (where ``binds_late``): ``env`` over
+        its environment and ``workdir`` (made when missing) for every command from now
+        on, ``labels`` beside its own in listings; its next ``reset`` forgets them."""
+        raise NotSupported("%s cannot bind a lease's settings late" % type(self).__name__)
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes, a new token),

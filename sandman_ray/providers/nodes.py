@@ -272,6 +272,11 @@ class NodeAgentProvider(Provider):
         return await self._on_agent(await self._node_of(sandbox_id), "reset", sandbox_id,
                                     task=pool_task_name("reset", self.pool))
 
+    async def bind_task(self, sandbox_id: str, env: Dict[str, str], workdir: Optional[str],
+                        labels: Dict[str, str]) -> None:
+        await self._on_agent(await self._node_of(sandbox_id), "bind_task", sandbox_id, env,
+                             workdir, labels, task=pool_task_name("bind", self.pool))
+
     # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
     async def _node_of(self, sandbox_id: str) -> str:
         node = self._where.get(sandbox_id)

@@ -12,7 +12,7 @@ import _socket            # likewise socket.py
 from . import attrs
 from .commands import Commands
 from .connection import Connection, refuse
-from .fields import RequestError, bad_request, number_field
+from .fields import RequestError, bad_request, env_field, number_field
 from .loop import Loop, resolve_once, wait_all
 from .ops.exec import ExecOps
 from .ops.files import FileOps, open_regular
@@ -93,11 +93,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps, WatchOps):
         self.started = time.time()
         # the sandbox's environment, for the commands it starts (``env``: handed over
         # by the launcher, not the daemon's own; else the one it was started with)
-        self.env = dict(env) if env is not None else base_environment()
-        self.env.setdefault("PATH", DEFAULT_PATH)
-        self.env_list = encode_env(self.env)  # as a spawn takes it (self.env never changes)
-        self.path = self.env["PATH"]
-        os.environ["PATH"] = self.path  # what posix_spawnp searches
+        self.base = (dict(env) if env is not None else base_environment(), workdir)
+        self._use_env(self.base[0])
         self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # see _refuse_one
         self.loop = None
@@ -120,6 +117,14 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps, WatchOps):
         self.oom_counter = None  # an OomCounter: the sandbox's OOM kill count, if any
         self.recv_buffer = bytearray(262144)
         self.recv_view = memoryview(self.recv_buffer)
+
+    def _use_env(self, env):
+        """``env`` for the commands started from now on."""
+        self.env = dict(env)
+        self.env.setdefault("PATH", DEFAULT_PATH)
+        self.env_list = encode_env(self.env)  # as a spawn takes it (self.env is replaced,
+        self.path = self.env["PATH"]  # never changed in place)
+        os.environ["PATH"] = self.path  # what posix_spawnp searches
 
     # ---- lifecycle
     def run(self, listen, ready_fd):
@@ -340,6 +345,25 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps, WatchOps):
         self.loop.call_soon(self.request_stop, grace)
         return None
 
+    def op_bind(self, req):
+        """The lease's own settings, over the sandbox's as it started: ``env`` (names to
+        values, over the sandbox's environment) and ``workdir`` (made when missing,
+        with its parents) for every command started from now on, until a renew."""
+        env = env_field(req, self.base[0])
+        workdir = req.get("workdir")
+        if workdir is not None and (not workdir.startswith("/") or "\0" in workdir):
+            raise bad_request("bind: workdir must be an absolute path, got %r" % workdir)
+        workdir = workdir or self.base[1]
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            os.chdir(workdir)
+        except OSError as exc:
+            raise RequestError("BadRequest", "bind: workdir %s: %s"
+                               % (workdir, exc.strerror or exc)) from None
+        self.workdir = workdir
+        self._use_env(env)
+        return {"workdir": workdir}
+
     async def op_renew(self, req, reply):
         """The sandbox for its next lease, in two steps around the launcher's own work.
         ``quiet``: no lease token is valid any more, every other connection is closed,
@@ -373,6 +397,8 @@ class Daemon(ExecOps, SessionOps, ProcessOps, FileOps, TerminalOps, WatchOps):
             self.terminals = {}
             self.next_terminal = 1
             self.next_upload = 1
+            self.workdir = self.base[1]  # a lease's bind is forgotten (``enter`` goes
+            self._use_env(self.base[0])  # into the workdir)
             # an op's thread of the last lease still at work would go on in the next
             # tenant's root; what a tenant may set on this process would stay with it
             busy = await self._threads_done()

@@ -371,6 +371,8 @@ OPS = (
     # the launcher's own (its admin token, not a lease's): the sandbox for its next lease
     Op("renew", "stream", False, {"phase": required(str), "root": optional(str),
                                   "token": optional(str), "admin": optional(str)}),
+    # the lease's own environment and working directory, until a renew (daemon.py)
+    Op("bind", "sync", False, {"env": optional(dict), "workdir": optional(str)}),
     # one-shot commands (ops/exec.py)
     Op("exec", "callback", True, dict(_COMMAND, timeout=optional(*_NUMBER), **_GRACE,
                                       max_output=optional(*_NUMBER), stream=optional(bool),

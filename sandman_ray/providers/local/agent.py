@@ -3,6 +3,7 @@ node (bubblewrap, ``providers/local/bwrap.py``, or gVisor, ``providers/local/gvi
 and the cgroups of its incarnations."""
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -17,7 +18,7 @@ import ray
 
 from sandman_ray.errors import NotSupported, ProviderError, SandboxLost
 from sandman_ray.providers.base import (
-    SandboxInfo, check_answers, fatal, transient)
+    SandboxInfo, bind_daemon, check_answers, fatal, transient)
 from sandman_ray.providers.mounts import ensure_nosuid_nodev
 from sandman_ray.providers.network import node_routes, ray_node_addresses
 from sandman_ray.providers.local.agent_snapshots import AgentSnapshots
@@ -107,6 +108,7 @@ class NodeAgent(AgentSnapshots):
                            pool, node_id[:12], why_not)
         self.sandboxes: Dict[str, object] = {}   # sandbox id -> SandboxProcess
         self.labels: Dict[str, Dict[str, str]] = {}
+        self.bound: Dict[str, SandboxSpec] = {}  # sandbox id -> its spec with its lease's
         self.creating = SingleFlight()  # a retried create joins the one in flight
         self.fetching = SingleFlight()  # snapshots being brought from another node
         self.locks: Dict[str, asyncio.Lock] = {}  # sandbox id -> its snapshot/pause lock
@@ -243,8 +245,8 @@ class NodeAgent(AgentSnapshots):
         sandbox = self.sandboxes[sandbox_id]
         return SandboxInfo(
             sandbox_id=sandbox_id, address=sandbox.address, token=sandbox.token,
-            node_id=self.node_id, labels=self.labels[sandbox_id], created_at=sandbox.started_at,
-            spec=sandbox.spec, alive=sandbox.alive,
+            node_id=self.node_id, labels=self._labels(sandbox_id), created_at=sandbox.started_at,
+            spec=self.bound.get(sandbox_id, sandbox.spec), alive=sandbox.alive,
             details={"image": sandbox.image.image, "digest": sandbox.image.digest,
                      "unpacked_by": sandbox.image.unpacked_by, "limits": dict(sandbox.applied),
                      "pid": sandbox.proc.pid if sandbox.proc else None,
@@ -283,6 +285,7 @@ class NodeAgent(AgentSnapshots):
         self.cpu.forget(sandbox_id)
         sandbox = self.sandboxes.pop(sandbox_id, None)
         self.labels.pop(sandbox_id, None)
+        self.bound.pop(sandbox_id, None)
         self.locks.pop(sandbox_id, None)
         if sandbox is not None:
             await self._remove(sandbox)
@@ -333,6 +336,7 @@ class NodeAgent(AgentSnapshots):
             # the lease's token is refused from here on, before the new one exists: a
             # pause of the lease that ended must not freeze the next holder's sandbox
             self.resetting.add(sandbox_id)
+            self.bound.pop(sandbox_id, None)  # the lease's labels (its daemon forgets the rest)
             if sandbox.cgroups is not None and sandbox.cgroups.frozen():
                 sandbox.cgroups.thaw()  # a lease that ended paused: its daemon must answer
             # run to its end even if its caller gives up: a shutdown waits for it, and
@@ -344,6 +348,22 @@ class NodeAgent(AgentSnapshots):
         if token is None:  # the next holder's client weighs it anew (a holder's renew
             self.cpu.set(sandbox_id, None, 1.0)  # keeps its client's weight)
         return info
+
+    async def bind_task(self, sandbox_id: str, env: Dict[str, str], workdir: Optional[str],
+                        labels: Dict[str, str]) -> None:
+        """A lease's own settings (Provider.bind_task), until the sandbox's next reset."""
+        self._sandbox(sandbox_id, "bind")  # one of this node
+        async with self._lock(sandbox_id):
+            if env or workdir:
+                await bind_daemon(self._info(sandbox_id), env, workdir)
+            self.bound[sandbox_id] = dataclasses.replace(
+                self.sandboxes[sandbox_id].spec, env=dict(env), workdir=workdir,
+                labels=dict(labels))
+
+    def _labels(self, sandbox_id: str) -> Dict[str, str]:
+        """The sandbox's labels: its own over its lease's."""
+        bound = self.bound.get(sandbox_id)
+        return dict(bound.labels if bound else {}, **self.labels[sandbox_id])
 
     def _reset_ended(self, sandbox_id: str, task: asyncio.Future) -> None:
         if self.resets.get(sandbox_id) is task:  # (not a later reset's)
@@ -477,8 +497,8 @@ class NodeAgent(AgentSnapshots):
 
     async def list(self, labels: Optional[Dict[str, str]] = None) -> List[SandboxInfo]:
         wanted = (labels or {}).items()
-        return [self._info(sid) for sid, own in self.labels.items()
-                if all(own.get(k) == v for k, v in wanted)]
+        return [self._info(sid) for sid in self.labels
+                if all(self._labels(sid).get(k) == v for k, v in wanted)]
 
     async def shutdown(self) -> int:
         """Delete every sandbox of this agent, also those still being created (they

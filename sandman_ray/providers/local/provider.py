@@ -79,6 +79,7 @@ class LocalProvider(NodeAgentProvider):
 
     supports_reset = True
     weighs = True  # each sandbox a cpu group of its own (cgroups.py)
+    binds_late = True  # its daemon's bind, its agent's labels
     supports_snapshots = True
     carries_snapshots = True
     agent_kind = "agent"

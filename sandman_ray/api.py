@@ -17,7 +17,7 @@ from sandman_ray.host import HandleHost
 from sandman_ray.lookup import current, forget_pool, get_pool, looked_up_again, session_cache
 from sandman_ray.pool.actor import PoolActor
 from sandman_ray.names import HOST_PREFIX, NAMESPACE, pool_actor_name, pool_task_name
-from sandman_ray.pool.states import reachable
+from sandman_ray.providers.base import reachable
 from sandman_ray.pool.states import pack_lease_request, unpack_lease
 from sandman_ray.pool_calls import asking, carried, carried_async
 from sandman_ray.raised import plain_errors

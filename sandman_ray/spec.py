@@ -170,7 +170,8 @@ class SandboxSpec:
     disk: most bytes the sandbox's writable layer may hold, bytes or a size such as
         ``"2Gi"``; past it, writes fail with ENOSPC (None: the provider's default).
     env: variables set for the daemon and every command, over the image's own.
-    workdir: the working directory of commands (default: the image's, else ``/``).
+    workdir: the working directory of commands (default: the image's, else ``/``), made
+        when the image has none there.
     network: False gives the sandbox only a loopback interface; True gives it outbound
         access of its own, through a user-mode stack, to public addresses only: never
         to this host, its neighbours, link-local or metadata addresses, nor private

@@ -31,12 +31,12 @@ class BindingProvider(FakeProvider):
         super().__init__()
         self.bound, self.bind_fail, self.gate = [], [], None
 
-    async def bind_task(self, sandbox_id, env, workdir, labels):
+    async def bind_task(self, info, env, workdir, labels):
         if self.gate is not None:
             await self.gate.wait()
         if self.bind_fail:
             raise self.bind_fail.pop(0)
-        self.bound.append((sandbox_id, env, workdir, labels))
+        self.bound.append((info.sandbox_id, env, workdir, labels))
 
 
 def binding_pool(**config):
@@ -136,6 +136,26 @@ def test_an_acquire_given_up_while_its_settings_are_bound_ends_that_lease():
     run(main())
 
 
+def test_warm_refills_wait_until_the_leases_being_bound_are_handed_out():
+    """A burst's binds and the warm set's refill would share the node's CPU: the refill
+    starts once no lease is being bound (a waiter's own create does not wait)."""
+    async def main():
+        pool, provider = binding_pool(warm={SPEC: 2})
+        await settle(pool)
+        creates = len(provider.calls)
+        provider.gate = asyncio.Event()
+        leases = [asyncio.ensure_future(pool.lending.lease(task(n), "c%d" % n, 5))
+                  for n in range(3)]
+        await settle(pool)
+        assert len(provider.calls) == creates + 1  # the third waiter's create alone
+        provider.gate.set()
+        await asyncio.gather(*leases)
+        await settle(pool)
+        assert len(provider.calls) == creates + 3  # the warm set refilled
+        assert pool.state.records.count(State.READY) == 2
+    run(main())
+
+
 def test_a_retried_acquire_waits_for_the_binding_of_its_lease():
     async def main():
         pool, provider = binding_pool(warm={SPEC: 1})
@@ -186,12 +206,22 @@ def cluster():
     yield from local_ray()
 
 
+def agent_of(pool):
+    return ray.get_actor(agent_name(pool, ray.get_runtime_context().get_node_id()),
+                         namespace="sandman")
+
+
 def agent_labels(pool, sandbox_id):
     """The labels the node agent lists the sandbox with."""
-    agent = ray.get_actor(agent_name(pool, ray.get_runtime_context().get_node_id()),
-                          namespace="sandman")
-    [info] = ray.get(agent.list.remote({SANDBOX_LABEL: sandbox_id}))
+    [info] = ray.get(agent_of(pool).list.remote({SANDBOX_LABEL: sandbox_id}))
     return info.labels
+
+
+def listed_with(pool, sandbox_id, task):
+    """The agent lists the sandbox with the lease's label ``task`` (the pool tells it
+    after the daemon took the settings, without waiting for it)."""
+    return wait_until(lambda: agent_labels(pool, sandbox_id).get("task") == task or None,
+                      timeout=30, what="the agent's listing of task %s" % task) and task
 
 
 def test_each_episode_sees_exactly_its_own_settings_from_a_warm_sandbox(cluster,
@@ -218,7 +248,7 @@ def episodes(pool, image):
         with sandman.sandbox(spec, pool=pool, timeout=60) as sb:
             out = sb.exec("echo $TASK; pwd; ls /work; ls").stdout.decode().split()
             sb.exec("echo left > mine.txt")
-            seen.append((out, agent_labels(pool, sb.sandbox).get("task")))
+            seen.append((out, listed_with(pool, sb.sandbox, "t%d" % n)))
     assert seen == [(["t%d" % n, "/work/t%d" % n, "t%d" % n], "t%d" % n)
                     for n in range(3)]
     status = ray.get(actor.status.remote())
@@ -228,6 +258,21 @@ def episodes(pool, image):
     [sandbox_id] = [s["sandbox_id"] for s in ray.get(actor.list_sandboxes.remote())]
     labels = agent_labels(pool, sandbox_id)
     assert "task" not in labels and labels[SANDBOX_LABEL] == sandbox_id
+    # a word of a lease's settings that comes after its sandbox's reset is not taken
+    ray.get(agent_of(pool).note_task.remote(sandbox_id, "a-token-gone", {"A": "1"}, None,
+                                            {"task": "late"}))
+    assert "task" not in agent_labels(pool, sandbox_id)
     with sandman.sandbox(image, pool=pool, timeout=60) as sb:  # no settings: its own
         out = sb.exec("echo ${TASK:-none}; pwd; ls /work 2>&1 || true").stdout.decode()
         assert out.split()[:2] == ["none", "/"] and "t2" not in out
+
+
+def test_a_workdir_the_image_lacks_is_made_at_a_sandbox_s_start(cluster, busybox_image):
+    """With today's keys (late_bind=False) the workdir is the launch's: the daemon makes
+    it as it starts, as a container's WORKDIR is made, instead of failing every create."""
+    spec = SandboxSpec(image=busybox_image, env={"TASK": "x"}, workdir="/made/at/start")
+    with own_pool("/tmp/sandman-ray-test/late-bind", "early", late_bind=False) as pool:
+        with sandman.sandbox(spec, pool=pool, timeout=60) as sb:
+            assert sb.exec("echo $TASK; pwd").stdout == b"x\n/made/at/start\n"
+        status = ray.get(sandman.get_pool(pool).status.remote())
+        assert status["stats"]["bound"] == 0 and status["stats"]["create_failures"] == 0

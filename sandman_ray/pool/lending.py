@@ -10,9 +10,9 @@ from typing import Optional
 
 from sandman_ray.errors import AcquireTimeout, LeaseNotHeld, ProviderError
 from sandman_ray.pool.shared import PoolState
-from sandman_ray.pool.states import Lease, Sandbox, State, reachable
+from sandman_ray.pool.states import Lease, Sandbox, State
 from sandman_ray.pool.waiters import Waiter
-from sandman_ray.providers.base import Provider
+from sandman_ray.providers.base import Provider, reachable
 from sandman_ray.spec import ANYWHERE, MIN_IDLE_TIMEOUT_S, SandboxSpec, number_in
 
 # a lease kept alive by its caller (a client of the service): no shorter than an idle
@@ -269,6 +269,7 @@ class Lending:
         self.state.stats["leases"] += 1
         if waiter.task is not None:  # handed out once the sandbox has its settings
             rec.task, rec.handing, waiter.lent = waiter.task, waiter.future, rec
+            self.state.binding += 1
             asyncio.ensure_future(self._bind(rec, lease, waiter, offer))
             return
         self._hand(lease, waiter, offer)
@@ -287,11 +288,15 @@ class Lending:
         task = waiter.task
         try:
             await asyncio.wait_for(self.provider.bind_task(
-                rec.sandbox_id, dict(task.env), task.workdir, dict(task.labels)),
+                rec.info, dict(task.env), task.workdir, dict(task.labels)),
                 self.state.config.ready_timeout_s)
             failed = None
         except Exception as exc:  # noqa: BLE001 - said to the waiter, or retried
             failed = exc
+        finally:
+            self.state.binding -= 1
+            if not self.state.binding:  # the warm sets' refills, held back meanwhile
+                self.state.kick()
         if rec.lease is not lease:  # ended meanwhile (cancelled, released, shut down)
             if not waiter.future.done():
                 waiter.future.set_exception(AcquireTimeout(

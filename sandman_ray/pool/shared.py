@@ -54,6 +54,7 @@ class PoolState:
                       "bound": 0}  # leases whose settings a warm sandbox took as lent
         self.events: Deque[tuple] = collections.deque(maxlen=EVENT_LOG)
         self.closing = False
+        self.binding = 0  # leases lent whose settings are being bound (lending.py)
         self.wake: Optional[asyncio.Event] = None
 
     def to(self, rec: Sandbox, state: State, reason: str = "") -> None:

@@ -162,9 +162,3 @@ class Sandbox:
             raise RuntimeError("sandbox %s: %s -> %s is not a transition"
                                % (self.sandbox_id, self.state.name, state.name))
         self.state, self.since = state, now
-
-
-def reachable(info, node: Optional[str]) -> bool:
-    """Whether a host on Ray node ``node`` reaches the daemon of ``info`` (a lease or a
-    SandboxInfo: TCP from anywhere, a unix socket on its own node only)."""
-    return info.address.startswith("tcp:") or (node is not None and info.node_id == node)

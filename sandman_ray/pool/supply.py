@@ -59,6 +59,8 @@ class Supply:
         held = records.held()
         starting = records.count(State.CREATING) + records.count(State.REQUESTED)
         for spec, count in wanted.items():
+            if self.state.binding:  # a burst's leases are being handed out: the machine's
+                count = min(count, waited.get(spec, 0))  # CPU goes to them, refills after
             missing = count - records.supply.get(spec, 0)
             musts, wants = self._nodes_to_create(spec) if spec in waited else ([], [])
             nodes = musts + wants

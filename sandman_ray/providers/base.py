@@ -82,6 +82,12 @@ class SnapshotInfo:
                 "source": self.source, "created_at": self.created_at}
 
 
+def reachable(info, node: Optional[str]) -> bool:
+    """Whether a host on Ray node ``node`` reaches the daemon of ``info`` (a lease or a
+    SandboxInfo: TCP from anywhere, a unix socket on its own node only)."""
+    return info.address.startswith("tcp:") or (node is not None and info.node_id == node)
+
+
 async def _daemon(info: SandboxInfo):
     """A client of the daemon of ``info``, connected with its token, or a transient
     ProviderError."""
@@ -211,9 +217,9 @@ class Provider(abc.ABC):
         nothing."""
         return None
 
-    async def bind_task(self, sandbox_id: str, env: Dict[str, str], workdir: Optional[str],
+    async def bind_task(self, info: SandboxInfo, env: Dict[str, str], workdir: Optional[str],
                         labels: Dict[str, str]) -> None:
-        """Give the sandbox one lease's own settings (where ``binds_late``): ``env`` over
+        """Give the sandbox of ``info`` one lease's own settings (where ``binds_late``): ``env`` over
         its environment and ``workdir`` (made when missing) for every command from now
         on, ``labels`` beside its own in listings; its next ``reset`` forgets them."""
         raise NotSupported("%s cannot bind a lease's settings late" % type(self).__name__)

@@ -19,7 +19,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sandman_ray.errors import ProviderError
 from sandman_ray.names import NAMESPACE, pool_task_name
 from sandman_ray.providers.base import (
-    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, fatal, transient)
+    POOL_LABEL, SANDBOX_LABEL, Provider, SandboxInfo, SnapshotInfo, bind_daemon, fatal,
+    reachable, transient)
 from sandman_ray.spec import SandboxSpec
 
 logger = logging.getLogger(__name__)
@@ -272,10 +273,24 @@ class NodeAgentProvider(Provider):
         return await self._on_agent(await self._node_of(sandbox_id), "reset", sandbox_id,
                                     task=pool_task_name("reset", self.pool))
 
-    async def bind_task(self, sandbox_id: str, env: Dict[str, str], workdir: Optional[str],
+    async def bind_task(self, info: SandboxInfo, env: Dict[str, str], workdir: Optional[str],
                         labels: Dict[str, str]) -> None:
-        await self._on_agent(await self._node_of(sandbox_id), "bind_task", sandbox_id, env,
-                             workdir, labels, task=pool_task_name("bind", self.pool))
+        """The daemon takes the settings from this process where it reaches it (the
+        pool's node): its agent may be busy starting the sandboxes of a burst, and is
+        told after, for its listing (a word that comes after the sandbox's next reset
+        is not taken: the token it names is gone); elsewhere the agent binds them."""
+        node = info.node_id or await self._node_of(info.sandbox_id)
+        if not reachable(info, ray.get_runtime_context().get_node_id()):
+            return await self._on_agent(node, "bind_task", info.sandbox_id, env, workdir,
+                                        labels, task=pool_task_name("bind", self.pool))
+        if env or workdir:
+            await bind_daemon(info, env, workdir)
+        try:
+            self.agent(node).note_task.options(name=pool_task_name("bind", self.pool)).remote(
+                info.sandbox_id, info.token, env, workdir, labels)
+        except ray.exceptions.RayError as exc:  # its listing lacks them; its lease holds
+            logger.warning("pool %s: agent of node %s not told of the lease's settings of %s: "
+                           "%s", self.pool, node, info.sandbox_id, exc)
 
     # ---- snapshots and pauses: each on the agent of the sandbox's (or snapshot's) node
     async def _node_of(self, sandbox_id: str) -> str:

@@ -110,6 +110,7 @@ def main(argv=None):
         skeleton = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         os.chroot(opts["root"])
     workdir = opts["workdir"] or os.getcwd()
+    os.makedirs(workdir, exist_ok=True)  # as a container's WORKDIR is made
     os.chdir(workdir)
     drop_bounding_set()  # before the Daemon notes its settings
     daemon = Daemon(token, os.getcwd(), int(opts["max_output"]), float(opts["hello_timeout"]),

@@ -356,9 +356,18 @@ class NodeAgent(AgentSnapshots):
         async with self._lock(sandbox_id):
             if env or workdir:
                 await bind_daemon(self._info(sandbox_id), env, workdir)
+            await self.note_task(sandbox_id, self.sandboxes[sandbox_id].token, env, workdir,
+                                 labels)
+
+    async def note_task(self, sandbox_id: str, token: str, env: Dict[str, str],
+                        workdir: Optional[str], labels: Dict[str, str]) -> None:
+        """The settings the daemon took for the lease of ``token``, for the sandbox's
+        listing (its labels, and the spec a restarted pool finds), until its next
+        reset; nothing once that token is gone (a word that came late)."""
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is not None and self._takes(sandbox_id, token):
             self.bound[sandbox_id] = dataclasses.replace(
-                self.sandboxes[sandbox_id].spec, env=dict(env), workdir=workdir,
-                labels=dict(labels))
+                sandbox.spec, env=dict(env), workdir=workdir, labels=dict(labels))
 
     def _labels(self, sandbox_id: str) -> Dict[str, str]:
         """The sandbox's labels: its own over its lease's."""

@@ -229,8 +229,9 @@ class Chain:
         # spec's: LD_PRELOAD, GCONV_PATH, MALLOC_* ...) reaches only the commands it
         # starts, handed over on env_fd like the token, never to the daemon's loader
         bwrap += ["--clearenv", "--setenv", "PATH", DEFAULT_PATH]
-        # a renewable sandbox's daemon starts in the skeleton and moves into its slot
-        bwrap += ["--chdir", "/" if self.renewable else workdir] + daemon_argv() + [
+        # the daemon goes to its workdir itself, made when missing (a renewable
+        # sandbox's starts in the skeleton and moves into its slot first)
+        bwrap += ["--chdir", "/"] + daemon_argv() + [
             "--listen", "fd:%d" % listen_fd, "--workdir", workdir,
             "--ready-fd", str(ready_fd), "--token-fd", str(token_fd),
             "--env-fd", str(env_fd),

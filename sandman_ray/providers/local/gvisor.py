@@ -99,7 +99,7 @@ class GvisorProcess(SandboxProcess):
                     "--limits", ",".join("%s=%s" % kv for kv in sorted(self.applied.items()))],
                 # the daemon's own: the sandbox's follows the token on its stdin
                 "env": ["PATH=" + DEFAULT_PATH],
-                "cwd": workdir, "noNewPrivileges": True,
+                "cwd": "/", "noNewPrivileges": True,  # the daemon makes and enters workdir
                 # open files per process in gVisor's kernel, as under bubblewrap
                 "rlimits": [dict(zip(("type", "soft", "hard"),
                                      ("RLIMIT_NOFILE",) + nofile_limits(self.spec)))],

@@ -1,6 +1,9 @@
 """The images section of bench/run_all.py: many task images and per-task settings.
 
-    python bench/images.py [--n 200] [--clients 4] [--rounds 1]
+    python bench/images.py [--n 200] [--clients 4] [--rounds 1] [--images 100]
+                           [--many 500] [--base-mb 200]
+
+Many task images: bench/image_burst.py.
 
 Per-task settings on a warm pool: ``n`` acquires of one image from ``clients`` client
 processes at once, each spec setting its own ``env`` (a task id) and ``workdir``, on a
@@ -23,6 +26,7 @@ import ray
 
 import sandman_ray as sandman
 
+import image_burst
 from burst import clients_burst, summary
 from common import ROOT, provider, run_alone, states, wait_for
 
@@ -90,8 +94,12 @@ def late_binding(n: int, clients: int, image: str, rounds: int = 1) -> dict:
     return out
 
 
-def images(n: int = 200, clients: int = 4, image: str = "", rounds: int = 1) -> dict:
-    return {"per_task": late_binding(n, clients, image, rounds)}
+def images(n: int = 200, clients: int = 4, image: str = "", rounds: int = 1,
+           count: int = 100, many: int = 500, base_mb: int = 200) -> dict:
+    out = {"per_task": late_binding(n, clients, image, rounds)}
+    if count:
+        out["many"] = image_burst.many_images(count, many, clients, base_mb)
+    return out
 
 
 def rows(result: dict) -> List[tuple]:
@@ -105,6 +113,8 @@ def rows(result: dict) -> List[tuple]:
                     "%.0f %% served warm" % (100 * r["served_warm"])))
     out.append(("images", "per-task burst, late bind vs today's keys, 100 % usable",
                 "%.2fx sooner" % part["sooner_100"], "target >= 3x, >= 90 % served warm"))
+    if "many" in result:
+        out += image_burst.rows(result["many"])
     return out
 
 
@@ -113,13 +123,17 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--images", type=int, default=100,
+                        help="the many-images burst: images (0: none)")
+    parser.add_argument("--many", type=int, default=500, help="its acquires")
+    parser.add_argument("--base-mb", type=int, default=200, help="its images' shared base")
     args = parser.parse_args(argv)
     from local import busybox_rootfs
     # the pools' providers (here and in the client processes) trust its directory
     os.environ.setdefault("SANDMAN_IMAGE_ROOTS", str(ROOT / ".cache" / "images"))
     image = "dir:%s" % busybox_rootfs()
-    return run_alone(lambda: images(args.n, args.clients, image, args.rounds), rows,
-                     "images")
+    return run_alone(lambda: images(args.n, args.clients, image, args.rounds, args.images,
+                                    args.many, args.base_mb), rows, "images")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ On a local Ray with the LocalProvider, each section in a module of its own
          (``bench/fusion.py``).
   images  per-task settings: N acquires whose specs each set their own env and workdir
          on a pool of N warm sandboxes of one image, bound as lent (PoolConfig.late_bind)
-         beside today's keys (each such spec created for) (``bench/images.py``).
+         beside today's keys (each such spec created for); and many task images: 500
+         acquires over 100 images that share a 200 MB base, on a cold pool, the time
+         to usable and the disk its image cache holds, then under a budget of 40 % of
+         that (``bench/images.py``, ``bench/image_burst.py``).
   e2b  E2B's SDK ``commands.run("true")`` through the service beside sandman's client's
          ``exec`` (``bench/e2b_sdk.py``).
   isolation  what each isolation level costs, one after the other in this run

@@ -24,8 +24,8 @@ from sandman_ray._lazy import exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "sandman_ray.api": ("acquire", "acquire_async", "create_pool", "get_pool", "prepare",
-                        "release", "release_async", "sandbox", "shutdown_pool"),
+    "sandman_ray.api": ("acquire", "acquire_async", "create_pool", "get_pool", "prefetch",
+                        "prepare", "release", "release_async", "sandbox", "shutdown_pool"),
     "sandman_ray.forks": ("delete_snapshot", "fork", "fork_async", "pause", "resume",
                           "set_warm", "snapshot", "snapshots"),
     "sandman_ray.client": ("AsyncDaemonClient", "DaemonClient"),
@@ -48,8 +48,8 @@ __getattr__, __dir__ = exports(__name__, _EXPORTS)
 if TYPE_CHECKING:  # the names above as type checkers and IDEs see them (where each is
     # defined; tests/test_handle_types.py checks the two lists agree)
     from sandman_ray.api import (
-        acquire, acquire_async, create_pool, get_pool, prepare, release, release_async,
-        sandbox, shutdown_pool)
+        acquire, acquire_async, create_pool, get_pool, prefetch, prepare, release,
+        release_async, sandbox, shutdown_pool)
     from sandman_ray.forks import (
         delete_snapshot, fork, fork_async, pause, resume, set_warm, snapshot, snapshots)
     from sandman_ray.client import AsyncDaemonClient, DaemonClient

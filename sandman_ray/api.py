@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Dict, Iterator, Optional, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import ray
 
@@ -89,6 +89,22 @@ def shutdown_pool(name: str = "default") -> int:
         if pool is not None:
             ray.kill(pool, no_restart=True)
         forget_pool(name)
+
+
+@plain_errors
+def prefetch(pool: str, images: Sequence[str], nodes: Optional[Sequence[str]] = None,
+             timeout: float = 3600.0) -> List[dict]:
+    """Fetch and unpack ``images`` on the pool's nodes (``nodes``: those Ray node ids;
+    None: all) ahead of the sandboxes that will need them, paced like the pool's
+    creates. One dict per image and node, in order: ``image``, ``node_id``, ``ok``,
+    ``ready_s`` (seconds from the call until it was ready), and ``digest`` or
+    ``error``. An image past the node's cache budget may be evicted again before it
+    is used."""
+    if isinstance(images, str) or isinstance(nodes, str):
+        raise ValueError("prefetch takes lists of images and nodes, got %r and %r"
+                         % (images, nodes))
+    images, nodes = list(images), None if nodes is None else list(nodes)
+    return ray.get(get_pool(pool).prefetch.remote(images, nodes), timeout=timeout)
 
 
 def _client_id() -> str:

@@ -131,7 +131,7 @@ def cmd_status(args) -> int:
         return _watch(args)
     if args.interval is not None or args.count is not None:
         raise CliError("--interval and --count go with --watch")
-    statuses = [_call(p, "status") for p in _pools(args.pool)]
+    statuses = [_call(p, "status", True) for p in _pools(args.pool)]
     if args.json:
         for s in statuses:
             s.pop("create_starts", None)
@@ -147,6 +147,11 @@ def cmd_status(args) -> int:
         print("waiters %d   create rate %.1f/s   oldest lease %s" % (
             s["waiters"], s["create_rate_per_s"], _age(s["oldest_lease_s"])))
         print("totals  " + ", ".join("%s %d" % kv for kv in sorted(s["stats"].items())))
+        for node, cache in sorted((s.get("image_cache") or {}).items()):
+            print("images  node %s: %s of %s in %d images; hits %d, misses %d, evictions "
+                  "%d" % (node[:12], _size(cache["bytes"]), _size(cache["budget_bytes"]),
+                          cache["entries"], cache["hits"], cache["misses"],
+                          cache["evictions"]))
         clients = sorted(s["leases_per_client"].items(), key=lambda kv: -kv[1])
         if clients:
             print(_table([[c, str(n)] for c, n in clients], ["client", "leases"]))

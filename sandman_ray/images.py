@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from sandman_ray.image_budget import ImageBudget, tree_bytes
 from sandman_ray.image_builders import MOUNT_POINTS, build_builtin, builtin_key
 from sandman_ray.image_files import resolve_user
 from sandman_ray.image_layers import ImageLimits, safe_join
@@ -98,6 +99,13 @@ class PreparedImage:
     layers: Tuple[Path, ...] = ()
     # config.user as ``uid:gid``, resolved when the image was prepared ("": root)
     run_as: str = ""
+    # what keeps its cache entry from eviction while a sandbox uses it (image_budget)
+    hold: object = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """The sandbox that used it is gone: its cache entry may be evicted."""
+        if self.hold is not None:
+            self.hold.close()
 
 
 # Never trusted as a root of ``dir:`` images (``check_image_root``): the host's root and
@@ -180,7 +188,7 @@ class ImageCache:
     def __init__(self, root: Path, prefer_tools: bool = True,
                  snapshots_root: Optional[Path] = None, image_roots: Iterable[str] = (),
                  reserved: Iterable[Path] = (), limits: Optional[ImageLimits] = None,
-                 snapshot_store=None):
+                 snapshot_store=None, budget_bytes: Optional[int] = None):
         self.root = Path(root)
         # a pool's snapshots on this node: SnapshotStore(snapshots_root, pool), given by
         # the provider that keeps them (providers/local/snapshots.py); none refuses them
@@ -192,6 +200,7 @@ class ImageCache:
         # the pools' snapshots on this node (providers/local/snapshots.py)
         self.snapshots_root = Path(snapshots_root) if snapshots_root else \
             self.root.parent / "snapshots"
+        self.budget = ImageBudget(self.root, budget_bytes, self.snapshots_root)
         reserved = [str(p) for p in reserved] + [str(self.root), str(self.snapshots_root)]
         self.image_roots = tuple(check_image_root(r, reserved) for r in image_roots)
 
@@ -258,7 +267,7 @@ class ImageCache:
                              ImageConfig(tuple(config.get("env") or ()),
                                          config.get("workdir") or "", user),
                              image, "snapshot", (store.path(name) / "layer",) + base.layers,
-                             run_as)
+                             run_as, base.hold)
 
     # ---- OCI layouts and docker save archives, checked (image_layouts)
     def _unpack(self, verified: Verified, dest: Path) -> str:
@@ -316,15 +325,24 @@ class ImageCache:
         its meta.json: its key may be one a hostile image claimed)."""
         key = digest.replace(":", "-")
         entry = self.root / key
-        meta = self._meta(entry)
-        if meta is None:
-            with _locked(self.root / (key + ".lock")):
-                meta = self._meta(entry)
-                if meta is None:  # another process may have built it meanwhile
-                    self._build(image, entry, config, unpack)
+        hold = self.budget.hold(key)  # held by the sandbox: not evicted under it
+        built = False
+        try:
+            meta = self._meta(entry)
+            if meta is None:
+                with _locked(self.root / (key + ".lock")):
                     meta = self._meta(entry)
+                    if meta is None:  # another process may have built it meanwhile
+                        self._build(image, entry, config, unpack)
+                        meta, built = self._meta(entry), True
+            self.budget.used(key, hit=not built)
+            if built:  # the others, least recently used first, make room for it
+                self.budget.fit(keep=(key,))
+        except BaseException:
+            hold.close()
+            raise
         return PreparedImage(image, entry / "rootfs", config, digest, meta["unpacked_by"],
-                             run_as=meta["user"])
+                             run_as=meta["user"], hold=hold)
 
     @staticmethod
     def _meta(entry: Path) -> Optional[dict]:
@@ -348,7 +366,8 @@ class ImageCache:
             # the image's user, resolved once, below the rootfs (never on a create)
             user = resolve_user(work / "rootfs", config.user, image)
             (work / "meta.json").write_text(json.dumps(
-                {"image": image, "unpacked_by": how, "user": user, "checked": CHECKED}))
+                {"image": image, "unpacked_by": how, "user": user, "checked": CHECKED,
+                 "bytes": tree_bytes(work / "rootfs")}))
             work.rename(entry)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)

@@ -23,6 +23,7 @@ from sandman_ray.providers.base import Provider
 from sandman_ray.spec import PoolConfig
 
 logger = logging.getLogger(__name__)
+STATUS_WAIT_S = 10.0  # for the nodes' image caches in a status
 
 __all__ = ["NAMESPACE", "PoolActor", "pool_actor_name"]
 
@@ -161,6 +162,10 @@ class PoolActor:
     async def delete_snapshot(self, name_or_image: str) -> bool:
         return await (await self._started()).snapshot_ops.delete_snapshot(name_or_image)
 
+    async def prefetch(self, images: List[str], nodes: Optional[List[str]] = None) -> List[dict]:
+        from sandman_ray.pool.prefetch import prefetch
+        return await prefetch(await self._started(), images, nodes)
+
     async def set_warm(self, spec, count: int) -> dict:
         return (await self._started()).snapshot_ops.set_warm(spec, count)
 
@@ -175,8 +180,21 @@ class PoolActor:
         return (await self._started()).snapshot_ops.note_paused(lease_id, holder, paused)
 
     # ---- questions and operations
-    async def status(self) -> dict:
-        return (await self._started()).status()
+    async def status(self, images: bool = False) -> dict:
+        """The pool's states, counters and rates; with ``images``, each node's image
+        cache too (``image_cache``: a call to each node's agent)."""
+        pool = await self._started()
+        status = pool.status()
+        if not images:
+            return status
+        try:  # the nodes' image caches, where the provider keeps them
+            caches = await asyncio.wait_for(pool.provider.image_cache(), STATUS_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the pool's own status still answers
+            logger.warning("pool %s: image caches not read: %s", self.name, exc)
+            caches = None
+        if caches is not None:
+            status["image_cache"] = caches
+        return status
 
     async def list_sandboxes(self) -> List[dict]:
         return (await self._started()).sandboxes()

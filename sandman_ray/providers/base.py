@@ -224,6 +224,16 @@ class Provider(abc.ABC):
         on, ``labels`` beside its own in listings; its next ``reset`` forgets them."""
         raise NotSupported("%s cannot bind a lease's settings late" % type(self).__name__)
 
+    async def prefetch(self, image: str, node_id: str) -> Dict[str, object]:
+        """Fetch and unpack ``image`` on Ray node ``node_id`` (one of ``nodes()``) for the
+        sandboxes to come, and say what was made (``digest``, ``unpacked_by``)."""
+        raise NotSupported("%s cannot prefetch images" % type(self).__name__)
+
+    async def image_cache(self) -> Optional[Dict[str, Dict[str, int]]]:
+        """Per node, its image cache's bytes, entries, budget, hits, misses and
+        evictions (the LocalProvider's); None where the provider keeps no cache."""
+        return None
+
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox to the state of a new one (files, processes, a new token),
         keeping its id, and return once its daemon answers."""

@@ -48,7 +48,8 @@ class NodeAgent(AgentSnapshots):
                  prefer_tools: bool = True, ready_timeout_s: float = 30.0,
                  user_namespaces: bool = True, isolation: str = "namespaces",
                  snapshot_root: Optional[str] = None, snapshot_bytes: Optional[int] = None,
-                 table_needs=None, image_roots: Tuple[str, ...] = ()):
+                 table_needs=None, image_roots: Tuple[str, ...] = (),
+                 image_cache_bytes: Optional[int] = None):
         from sandman_ray.bundle import ensure_bundle
         from sandman_ray.images import ImageCache
         from sandman_ray.providers.local.bwrap import secure_root, view_root
@@ -82,8 +83,10 @@ class NodeAgent(AgentSnapshots):
         self.images = ImageCache(cache / "images", prefer_tools=prefer_tools,
                                  snapshots_root=snapshots, image_roots=image_roots,
                                  reserved=(self.state_root, cache, store_root),
-                                 snapshot_store=SnapshotStore)
+                                 snapshot_store=SnapshotStore, budget_bytes=image_cache_bytes)
         self.snapshot_store = SnapshotStore(snapshots, pool)
+        from sandman_ray.providers.local.cache_metrics import ImageCacheMetrics
+        self.cache_metrics = ImageCacheMetrics(pool)
         if snapshot_bytes is None:
             fs = os.statvfs(snapshots)
             snapshot_bytes = fs.f_blocks * fs.f_frsize // 2
@@ -169,6 +172,7 @@ class NodeAgent(AgentSnapshots):
         loop = asyncio.get_running_loop()
         try:
             image = await loop.run_in_executor(None, self.images.prepare, spec.image)
+            self.cache_metrics.refresh(self.images.budget.last())
         except ProviderError:
             raise
         except Exception as exc:  # a hostile image's parse, whatever breaks: refused
@@ -368,6 +372,26 @@ class NodeAgent(AgentSnapshots):
         if sandbox is not None and self._takes(sandbox_id, token):
             self.bound[sandbox_id] = dataclasses.replace(
                 sandbox.spec, env=dict(env), workdir=workdir, labels=dict(labels))
+
+    async def prefetch(self, image: str) -> Dict[str, object]:
+        """``image`` unpacked in this node's cache for sandboxes to come (it may be
+        evicted again before they come, once the cache passes its budget)."""
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                None, self.images.prepare, image)
+        except ProviderError:
+            raise
+        except Exception as exc:  # a hostile image's parse, whatever breaks: refused
+            raise fatal("image %r: %s" % (image, exc)) from exc
+        prepared.release()
+        self.cache_metrics.refresh(self.images.budget.last())
+        return {"digest": prepared.digest, "unpacked_by": prepared.unpacked_by}
+
+    async def image_cache(self) -> Dict[str, int]:
+        """The node's image cache: its bytes, entries and budget, and this agent's
+        hits, misses and evictions (image_budget.py)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.images.budget.status)
 
     def _labels(self, sandbox_id: str) -> Dict[str, str]:
         """The sandbox's labels: its own over its lease's."""

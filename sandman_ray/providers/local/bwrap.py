@@ -476,6 +476,7 @@ class SandboxProcess(Chain, renew.Renewable):
         if self.cgroups is not None:
             self.cgroups.remove()
         shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.image.release()  # its cache entry may be evicted now
 
 
 class BwrapSandbox:

@@ -9,12 +9,14 @@ the next agent of that pool and node removes whatever state the last one left.
 
 import os
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 from sandman_ray.images import check_image_root
 from sandman_ray.providers.local.agent import NodeAgent, agent_groups
 from sandman_ray.providers.local.host_tables import PoolNeeds
 from sandman_ray.providers.nodes import NAMESPACE, NodeAgentProvider, agent_name
+from sandman_ray.names import pool_task_name
+from sandman_ray.spec import parse_bytes
 
 __all__ = ["LocalProvider", "NodeAgent", "NAMESPACE", "agent_name", "leftovers"]
 
@@ -75,6 +77,10 @@ class LocalProvider(NodeAgentProvider):
         image elsewhere is refused at create; the host's root, its system
         directories and the state, cache and snapshot roots are refused as roots
         (images.check_image_root).
+    image_cache_bytes: the most the unpacked images of each node's cache may hold
+        (None: half of the cache's filesystem); past it, the least recently used
+        image that no sandbox, snapshot or build of that node uses is evicted
+        (sandman_ray/image_budget.py). Images of ``builtin:`` are never evicted.
     """
 
     supports_reset = True
@@ -94,8 +100,11 @@ class LocalProvider(NodeAgentProvider):
                  ready_timeout_s: float = 30.0, user_namespaces: bool = True,
                  isolation: str = "namespaces", snapshot_root: str = DEFAULT_SNAPSHOT_ROOT,
                  snapshot_bytes: Optional[int] = None,
-                 image_roots: Optional[Sequence[str]] = None):
+                 image_roots: Optional[Sequence[str]] = None,
+                 image_cache_bytes: Optional[Union[int, str]] = None):
         super().__init__()
+        self.image_cache_bytes = parse_bytes(image_cache_bytes,
+                                             "LocalProvider.image_cache_bytes")
         if isolation not in ("namespaces", "gvisor"):
             raise ValueError("LocalProvider.isolation must be 'namespaces' or 'gvisor', got %r"
                              % (isolation,))
@@ -121,8 +130,15 @@ class LocalProvider(NodeAgentProvider):
     def is_snapshot_image(self, image: str) -> bool:
         return image.startswith("snapshot:")
 
+    async def prefetch(self, image: str, node_id: str) -> Dict[str, object]:
+        return await self._on_agent(node_id, "prefetch", image,
+                                    task=pool_task_name("prefetch", self.pool))
+
+    async def image_cache(self) -> Dict[str, Dict[str, int]]:
+        return {node: stats async for node, stats in self._from_each_agent("image_cache")}
+
     def agent_args(self, node_id: str) -> tuple:
         return (self.pool, node_id, self.state_root, self.cache_root, self.prefer_tools,
                 self.ready_timeout_s, self.user_namespaces, self.isolation,
                 self.snapshot_root, self.snapshot_bytes, PoolNeeds.of(self.pool_config),
-                self.image_roots)
+                self.image_roots, self.image_cache_bytes)

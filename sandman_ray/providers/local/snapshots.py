@@ -115,9 +115,10 @@ class SnapshotStore:
             info = SnapshotInfo(name=name, image=image_ref(self.pool, name), base=image.image,
                                 size_bytes=size, node_id=node_id, source=source,
                                 created_at=time.time())
-            meta = dict(info.to_dict(), config={"env": list(image.config.env),
-                                                "workdir": image.config.workdir,
-                                                "user": image.config.user})
+            # the cache entry under it, which the image cache never evicts (image_budget)
+            meta = dict(info.to_dict(), base_rootfs=str(image.rootfs),
+                        config={"env": list(image.config.env),
+                                "workdir": image.config.workdir, "user": image.config.user})
             (building / "meta.json").write_text(json.dumps(meta))
             os.rename(building, dest)
         except BaseException:
@@ -158,6 +159,7 @@ class SnapshotStore:
             except (OSError, ValueError):
                 continue
             meta.pop("config", None)
+            meta.pop("base_rootfs", None)  # the image cache's (image_budget.py)
             found.append(SnapshotInfo(**meta))
         return found
 

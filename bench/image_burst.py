@@ -58,9 +58,12 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _tar(files: Dict[str, bytes]) -> bytes:
+def _tar(files: Dict[str, bytes], tree: Optional[Path] = None) -> bytes:
+    """A layer of ``tree`` (a rootfs, if given) and ``files``."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if tree is not None:
+            tar.add(str(tree), arcname=".")
         for name in sorted({os.path.dirname(n) for n in files} - {""}):
             info = tarfile.TarInfo(name)
             info.type, info.mode = tarfile.DIRTYPE, 0o755
@@ -73,18 +76,20 @@ def _tar(files: Dict[str, bytes]) -> bytes:
 
 
 def make_images(count: int, base_mb: int) -> List[str]:
-    """``count`` OCI layouts (kept under LAYOUTS between runs) sharing one base layer of
-    ``base_mb`` MB in 100 KB files, its blob hard-linked into each."""
-    root = LAYOUTS / ("%d-%d" % (count, base_mb))
+    """``count`` OCI layouts (kept under LAYOUTS between runs) sharing one base layer:
+    the benches' busybox rootfs (a shell and its tools) and ``base_mb`` MB in 100 KB
+    files, its blob hard-linked into each."""
+    from local import busybox_rootfs
+    root = LAYOUTS / ("busybox-%d-%d" % (count, base_mb))
     images = ["oci:%s:v1" % (root / ("image-%03d" % i)) for i in range(count)]
     if (root / "done").exists():
         return images
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    files = {"etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n", "etc/group": b"root:x:0:\n"}
+    files = {}
     for i in range(base_mb * 10):
         files["usr/share/base/%03d/%05d.bin" % (i // 1000, i)] = os.urandom(100 * 1024)
-    base_raw = _tar(files)
+    base_raw = _tar(files, busybox_rootfs())
     base_blob = gzip.compress(base_raw, compresslevel=1)
     (root / "base.blob").write_bytes(base_blob)
     for i in range(count):

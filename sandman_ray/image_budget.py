@@ -147,6 +147,8 @@ class ImageBudget:
         found = []
         for meta_path in self.root.glob("*/meta.json"):
             entry = meta_path.parent
+            if "." in entry.name:  # one being built (``<key>.building``), or going
+                continue
             try:
                 meta = json.loads(meta_path.read_text())
             except (OSError, ValueError):

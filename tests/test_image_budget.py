@@ -47,6 +47,20 @@ def test_the_least_recently_used_unused_image_is_evicted_and_comes_back(tmp_path
     again.release()
 
 
+def test_an_image_being_built_is_neither_counted_nor_evicted(tmp_path):
+    """Its directory already has its meta.json just before it is renamed into place."""
+    images = [image(tmp_path, n) for n in range(2)]
+    cache = ImageCache(tmp_path / "cache", prefer_tools=False, budget_bytes=MB)
+    building = tmp_path / "cache" / "sha256-abc.building"
+    (building / "rootfs").mkdir(parents=True)
+    (building / "meta.json").write_text(json.dumps({"image": "x", "bytes": 10 * MB,
+                                                    "unpacked_by": "sandman"}))
+    for name in images:
+        cache.prepare(name).release()
+    assert (building / "meta.json").exists()
+    assert all("." not in e["key"] for e in cache.budget.entries())
+
+
 def test_an_image_a_snapshot_was_taken_over_is_never_evicted(tmp_path):
     images = [image(tmp_path, n) for n in range(3)]
     cache = ImageCache(tmp_path / "cache", prefer_tools=False, budget_bytes=MB,

@@ -57,15 +57,23 @@ class Hold:
             pass
 
 
-def _try_lock(path: Path) -> Optional[int]:
-    """An exclusive lock on ``path`` if nobody holds one (the fd), else None."""
+def _locked_fd(path: Path, how: int) -> int:
+    """A descriptor of ``path`` (made if missing) holding flock ``how``."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        fcntl.flock(fd, how)
+    except BaseException:
         os.close(fd)
-        return None
+        raise
     return fd
+
+
+def _try_lock(path: Path) -> Optional[int]:
+    """An exclusive lock on ``path`` if nobody holds one (the fd), else None."""
+    try:
+        return _locked_fd(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None
 
 
 def tree_bytes(root: Path) -> int:
@@ -106,14 +114,8 @@ class ImageBudget:
         with self.lock:
             held = self.held.get(key)
             if held is None:
-                fd = os.open(self.root / (key + ".use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                             0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                held = self.held[key] = [fd, 0]
+                held = self.held[key] = [_locked_fd(self.root / (key + ".use"),
+                                                    fcntl.LOCK_SH), 0]
             held[1] += 1
         return Hold(self, key)
 
@@ -186,9 +188,8 @@ class ImageBudget:
         """Evict the least recently used unused entries (never those of ``keep``) until
         the cache is within its budget; how many bytes it still holds."""
         keep = set(keep)
-        lock = os.open(self.root / "evict.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = _locked_fd(self.root / "evict.lock", fcntl.LOCK_EX)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
             entries = self.entries()
             total = self.bytes = sum(e["bytes"] for e in entries)
             if total <= self.budget:
